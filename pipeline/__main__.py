@@ -1,0 +1,105 @@
+"""Command line: `python -m pipeline {run,plan,validate,ui} CONFIG [key.path=value ...]`.
+
+    python -m pipeline validate configs/full.yaml                 # check the YAML, start nothing
+    python -m pipeline plan configs/full.yaml --from data         # stages, hit/miss and why
+    python -m pipeline run configs/full.yaml stages.data.max_len=256
+    python -m pipeline run configs/full.yaml --only data --force data
+    python -m pipeline ui configs/full.yaml                       # MLflow UI on the run's store
+
+Exit codes: 0 done, 1 a stage failed (traceback shown), 2 a user error (message names the key,
+file or stage and the fix; nothing written), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline", description="Declarative LLM post-training pipeline on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/full.yaml")
+        sp.add_argument("overrides", nargs="*", metavar="key.path=value", help="override a config value")
+        return sp
+
+    common("validate", "validate a config and print the resolved result")
+    for name, help_ in (("plan", "show stages in order with cache hit/miss and why"), ("run", "run the pipeline")):
+        sp = common(name, help_)
+        sp.add_argument("--only", nargs="+", default=[], metavar="STAGE", help="run just these stages")
+        sp.add_argument("--from", dest="from_", metavar="STAGE", help="run this stage and everything downstream")
+        sp.add_argument("--to", metavar="STAGE", help="run everything up to and including this stage")
+        sp.add_argument("--force", nargs="+", default=[], metavar="STAGE", help="recompute these stages ('all' for every one)")
+    ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
+    return p
+
+
+def _print_plan(plan, console) -> None:
+    from rich.table import Table
+
+    table = Table("#", "stage", "status", "key", "why")
+    colour = {"hit": "green", "miss": "yellow", "skip": "dim"}
+    for i, p in enumerate(plan, 1):
+        why = p.reason if p.status != "skip" else f"not selected ({'done' if p.finished else 'not done'})"
+        table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key, why)
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        from pipeline.config import load_config
+
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "validate":
+            import yaml
+
+            console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+            console.print(f"[green]{args.config}: valid[/]")
+            return 0
+        if args.command == "ui":
+            cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
+                   "--host", "127.0.0.1", "--port", str(args.port)]
+            console.print(f"MLflow UI for {cfg.tracking_uri} at http://127.0.0.1:{args.port} (Ctrl-C stops it)")
+            return subprocess.call(cmd)
+
+        from pipeline import artifacts
+        from pipeline.runner import build_plan, run_pipeline
+
+        fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+        plan = build_plan(cfg, args.only, args.from_, args.to, args.force, fps=fps)
+        if args.command == "plan":
+            _print_plan(plan, console)
+            return 0
+        summary = run_pipeline(cfg, plan, args.config, console)
+        fps.save()
+        ran = sum(p.status == "miss" for p in plan)
+        cached = sum(p.status == "hit" for p in plan)
+        console.print(f"[bold green]done[/]: {ran} stages run, {cached} cached; Ray "
+                      f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
+        return 0
+    except UserError as exc:
+        from rich.markup import escape
+
+        err.print(f"[bold red]error:[/] {escape(str(exc))}")
+        return 2
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/]: the running stage wrote no manifest and will rerun (resuming from its "
+                  "last checkpoint, if it has one) next time")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Artifacts on disk, cache keys and fingerprints.
+
+Layout under `run_dir`:
+
+    artifacts/<stage>/<key>/            the stage's outputs
+    artifacts/<stage>/<key>/manifest.json   written last, atomically: the artifact exists iff this does
+    artifacts/<stage>/attempt.json      components of the last attempted key (to explain misses)
+    checkpoints/<stage>/<key>/          training checkpoints, kept across attempts (resume)
+
+A cache key is a hash of (stage name, its resolved config, the source of its code, upstream
+keys, fingerprints of raw input files). "Its code" is found by reading the stage module's
+imports (`ast`, nothing is imported): the stage file plus every `pipeline.*`/`stages.*` module it
+reaches, so editing shared code invalidates exactly the stages that use it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_PACKAGES = ("pipeline", "stages")
+MANIFEST = "manifest.json"
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_json(data: Any, length: int = 16) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:length]
+
+
+def _module_file(module: str, root: Path) -> Path | None:
+    base = root.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Project modules a file imports anywhere (top level or inside functions)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)  # `from stages.common import tasks`
+    return {n for n in names if n.split(".")[0] in PROJECT_PACKAGES}
+
+
+def code_files(module: str, root: Path = PROJECT_ROOT) -> list[Path]:
+    """The stage module's file and every project module it transitively imports."""
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = _module_file(name, root)
+        if path is None:
+            continue
+        seen[name] = path
+        todo.extend(_imported_modules(path))
+    return sorted(set(seen.values()))
+
+
+def code_fingerprint(module: str, root: Path = PROJECT_ROOT) -> dict[str, str]:
+    """{relative path: sha256} of the code a stage runs."""
+    return {str(p.relative_to(root)): sha256_file(p) for p in code_files(module, root)}
+
+
+class FingerprintCache:
+    """Content hashes of raw input files, memoised by (size, mtime) so big checkpoints hash once."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.memo: dict[str, list] = {}
+        if path and path.is_file():
+            try:
+                self.memo = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                self.memo = {}
+
+    def file(self, path: Path) -> str:
+        st = path.stat()
+        key, stamp = str(path), [st.st_size, st.st_mtime_ns]
+        hit = self.memo.get(key)
+        if hit and hit[:2] == stamp:
+            return hit[2]
+        digest = sha256_file(path)
+        self.memo[key] = [*stamp, digest]
+        return digest
+
+    def paths(self, paths: list[Path]) -> dict[str, str]:
+        """{path: sha256} for files, expanding directories into their files."""
+        out = {}
+        for p in paths:
+            files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+            for f in files:
+                out[str(f)] = self.file(f)
+        return out
+
+    def save(self) -> None:
+        if self.path:
+            write_json_atomic(self.path, self.memo)
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that readers see either the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def artifact_dir(run_dir: Path, stage: str, key: str) -> Path:
+    return run_dir / "artifacts" / stage / key
+
+
+def checkpoint_dir(run_dir: Path, stage: str, key: str) -> Path:
+    return run_dir / "checkpoints" / stage / key
+
+
+def attempt_file(run_dir: Path, stage: str) -> Path:
+    return run_dir / "artifacts" / stage / "attempt.json"
+
+
+def read_manifest(run_dir: Path, stage: str, key: str) -> dict | None:
+    """The manifest of a finished artifact, or None (missing, partial or corrupt: not an artifact)."""
+    manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
+    return manifest if manifest and manifest.get("key") == key else None
+
+
+def output_paths(manifest: dict, out_dir: Path) -> dict[str, Path]:
+    """Outputs recorded relative to the artifact dir resolve against it; external paths stay."""
+    return {name: (out_dir / p) if not Path(p).is_absolute() else Path(p) for name, p in manifest["outputs"].items()}

@@ -1,0 +1,205 @@
+"""The pipeline's configuration: one YAML file, typed and validated.
+
+    load_config("configs/full.yaml", ["stages.data.max_len=256"])  ->  PipelineConfig
+
+Every section is a pydantic model that rejects unknown keys and documents each field; user
+mistakes (bad YAML, unknown key, wrong type, out-of-range value, missing file) become a
+`ConfigError` whose lines each name the key path and the fix. The CLI prints it and exits 2.
+Relative paths are resolved against the current directory at load time, so Ray workers on other
+processes see absolute paths.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+
+from pipeline.errors import ConfigError
+from pipeline.schema import Section
+from stages.common.models import ModelConfig
+from stages.common.tasks import TaskConfig
+from stages.data import DataConfig
+
+
+class RayConfig(Section):
+    """How to reach Ray. Local by default; `address` (or the RAY_ADDRESS variable) joins a cluster."""
+
+    address: str | None = Field(
+        None,
+        description="Cluster to join: 'auto', 'host:port' or 'ray://host:10001'. Empty: start a local "
+        "Ray instance for the run (RAY_ADDRESS in the environment wins over a local start).",
+    )
+    num_cpus: int | None = Field(
+        None,
+        ge=1,
+        description="Logical CPUs of a local Ray instance. Empty: max(8, 2 x cores), oversubscribed on "
+        "purpose because engines, trainers and Serve replicas each reserve a CPU (DESIGN.md §2.6).",
+    )
+    object_store_memory_gb: float | None = Field(
+        None, gt=0, description="Object store size of a local Ray instance in GiB. Empty: Ray's default."
+    )
+
+    def local_num_cpus(self) -> int:
+        return self.num_cpus or max(8, 2 * (os.cpu_count() or 1))
+
+
+class MlflowConfig(Section):
+    """Experiment tracking."""
+
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI ('http://host:5000', 'sqlite:///path.db', ...). Empty: a "
+        "SQLite store at <run_dir>/mlflow.db.",
+    )
+    experiment: str = Field("posttrain", min_length=1, description="MLflow experiment that holds the runs.")
+
+
+class StagesConfig(Section):
+    """One section per stage (the `model` stage is configured by the top-level `model` section)."""
+
+    data: DataConfig = Field(default_factory=DataConfig, description="The data stage (Ray Data).")
+
+
+class PipelineConfig(Section):
+    """A whole post-training run."""
+
+    run_dir: Path = Field(
+        Path("runs/default"),
+        description="Where artifacts, checkpoints, the lock file and the default MLflow store live.",
+    )
+    seed: int = Field(0, ge=0, description="Seed for data generation, splits, model init and training.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection settings.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking settings.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model and tokenizer source.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="The generated task (data, rewards, accuracy).")
+    stages: StagesConfig = Field(default_factory=StagesConfig, description="Per-stage settings.")
+
+    @field_validator("run_dir")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        return v.expanduser().absolute()
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"stages.data.max_len=256"` -> (['stages', 'data', 'max_len'], 256); values are YAML scalars."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+        raise ConfigError(f"override {text!r}: expected key.path=value, e.g. stages.data.max_len=256")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.problem})") from None
+    return key.strip().split("."), value
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path} (give the path to a YAML file, e.g. configs/full.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (run_dir:, stages:, ...)")
+    return data
+
+
+def _model_at(root: type[Section], loc: tuple) -> type[Section] | None:
+    """The config class that owns the key at `loc` (to suggest valid keys for a typo)."""
+    model: Any = root
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = field.annotation
+        if not isinstance(model, type):
+            return None
+    return model if isinstance(model, type) and issubclass(model, Section) else None
+
+
+def format_validation_error(exc: ValidationError, root: type[Section] = PipelineConfig) -> str:
+    """One line per problem, each naming the key path, what is wrong and how to fix it."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            owner = _model_at(root, loc)
+            valid = sorted(owner.model_fields) if owner else []
+            close = difflib.get_close_matches(loc[-1], valid, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            lines.append(f"{key}: unknown key; {hint}valid keys here: {', '.join(valid)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        shown = "" if err["type"] in ("missing",) or isinstance(got, dict) else f", got {got!r}"
+        lines.append(f"{key}: {msg[0].lower() + msg[1:]}{shown}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Read, override and validate a pipeline YAML; raise `ConfigError` on any user mistake."""
+    path = Path(path)
+    data = _read_yaml(path)
+    for text in overrides:
+        apply_override(data, *parse_override(text))
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid configuration\n{format_validation_error(exc)}") from None
+
+
+def get_path(cfg: Section, dotted: str) -> Any:
+    """`get_path(cfg, "stages.data")` -> that section (used for per-stage cache keys)."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def to_plain(value: Any) -> Any:
+    """A config value as JSON-able plain data (paths become strings)."""
+    if isinstance(value, Section):
+        return value.model_dump(mode="json")
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: config as MLflow params."""
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): data}

@@ -1,0 +1,13 @@
+"""User-facing errors: the CLI prints their message (no traceback) and exits with code 2."""
+
+
+class UserError(Exception):
+    """Something the user can fix (config, data, command line); the message says what and how."""
+
+
+class ConfigError(UserError):
+    """A mistake in the configuration file or its overrides."""
+
+
+class DataError(UserError):
+    """Raw data that cannot be used; the message names the file and line."""

@@ -1,0 +1,31 @@
+"""The stage registry: plain data. Which stages exist, what they read and what they produce.
+
+Stages meet only through the artifacts named here. The runner orders stages by these
+inputs/outputs, and a stage's cache key covers exactly the config sections listed in `config`
+and `reads` (plus its code, upstream keys and raw input files): a stage that starts reading
+another config section must list it in `reads`, or changes to it would not invalidate the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    module: str  # has run(cfg, ctx) -> {output name: path}; may have raw_inputs(pipeline_cfg)
+    config: str  # dotted path of the section passed to run() as `cfg`
+    reads: tuple[str, ...]  # other config paths the stage reads through ctx.pipeline
+    inputs: tuple[str, ...]  # artifacts it consumes
+    outputs: tuple[str, ...]  # artifacts it produces
+    about: str
+
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("model", "stages.model", "model", ("seed", "task"), (), ("base_model",),
+              "build the embedded base model + tokenizer, or check a local checkpoint"),
+    StageSpec("data", "stages.data", "stages.data", ("seed", "task"), ("base_model",),
+              ("sft_data", "preference_data", "prompt_data"),
+              "Ray Data: validate, dedupe, template, tokenize, mask, split, write Parquet"),
+)

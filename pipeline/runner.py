@@ -1,0 +1,340 @@
+"""The cached stage runner: plan which stages to run, then run them with lineage.
+
+    plan = build_plan(cfg, only=["data"])      # keys, hit/miss and why; starts nothing
+    run_pipeline(cfg, plan, config_path)       # lock run_dir, run misses, track everything
+
+A stage's artifact is reused when a finished artifact (one with a manifest) exists under its
+cache key. A miss clears any partial output left by an interrupted attempt, runs the stage into
+`artifacts/<stage>/<key>/` and writes the manifest last, atomically. Ray is started only when a
+stage asks for it (`ctx.ray()`), so a fully cached rerun never starts it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import artifacts
+from pipeline.config import PipelineConfig, flatten, get_path, to_plain
+from pipeline.errors import UserError
+from pipeline.registry import STAGES, StageSpec
+
+
+@dataclass
+class PlannedStage:
+    spec: StageSpec
+    key: str
+    components: dict
+    status: str  # "hit", "miss" or "skip" (not selected)
+    reason: str
+    finished: bool  # a finished artifact exists for this key
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def ordered(stages: tuple[StageSpec, ...] = STAGES) -> list[StageSpec]:
+    """Stages in dependency order (producers before consumers)."""
+    producer = {o: s.name for s in stages for o in s.outputs}
+    done: list[StageSpec] = []
+    pending = list(stages)
+    while pending:
+        ready = [s for s in pending if all(producer.get(i) in {d.name for d in done} for i in s.inputs)]
+        if not ready:
+            raise RuntimeError(f"registry has a cycle or a missing producer among {[s.name for s in pending]}")
+        done.extend(ready)
+        pending = [s for s in pending if s not in ready]
+    return done
+
+
+def _upstream(spec: StageSpec, stages: list[StageSpec]) -> list[str]:
+    producer = {o: s.name for s in stages for o in s.outputs}
+    return sorted({producer[i] for i in spec.inputs})
+
+
+def _closure(names: set[str], stages: list[StageSpec], downstream: bool) -> set[str]:
+    """`names` plus every stage upstream (or downstream) of them."""
+    out, changed = set(names), True
+    while changed:
+        changed = False
+        for s in stages:
+            ups = set(_upstream(s, stages))
+            if downstream and s.name not in out and ups & out:
+                out.add(s.name)
+                changed = True
+            if not downstream and s.name in out and not ups <= out:
+                out |= ups
+                changed = True
+    return out
+
+
+def select(stages: list[StageSpec], only=(), from_=None, to=None) -> set[str]:
+    names = [s.name for s in stages]
+    for n in [*only, from_, to]:
+        if n is not None and n not in names:
+            raise UserError(f"unknown stage '{n}'; stages are: {', '.join(names)}")
+    if only:
+        if from_ or to:
+            raise UserError("--only cannot be combined with --from/--to")
+        return set(only)
+    chosen = set(names)
+    if from_:
+        chosen &= _closure({from_}, stages, downstream=True)
+    if to:
+        chosen &= _closure({to}, stages, downstream=False)
+    return chosen
+
+
+def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, str], fps) -> dict:
+    """Everything a stage's output depends on; its hash is the cache key."""
+    module = importlib.import_module(spec.module)
+    raw = getattr(module, "raw_inputs", lambda _: [])(cfg)
+    return {
+        "stage": spec.name,
+        "config": {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)},
+        "code": artifacts.code_fingerprint(spec.module),
+        "upstream": upstream_keys,
+        "raw_inputs": fps.paths([Path(p) for p in raw]),
+    }
+
+
+def _diff(old: dict, new: dict) -> str:
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
+
+
+def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
+    """Why a stage has no artifact for this key, compared with its last attempt."""
+    last = artifacts.read_json(artifacts.attempt_file(run_dir, spec.name))
+    if not last:
+        return "never run"
+    if last.get("key") == key:
+        return "last attempt did not finish (no manifest)"
+    old = last.get("components", {})
+    reasons = []
+    if old.get("config") != comps["config"]:
+        reasons.append("config changed: " + _diff(flatten(old.get("config", {})), flatten(comps["config"])))
+    if old.get("code") != comps["code"]:
+        reasons.append("code changed: " + _diff(old.get("code", {}), comps["code"]))
+    if old.get("upstream") != comps["upstream"]:
+        reasons.append("upstream changed: " + _diff(old.get("upstream", {}), comps["upstream"]))
+    if old.get("raw_inputs") != comps["raw_inputs"]:
+        reasons.append("raw inputs changed: " + _diff(old.get("raw_inputs", {}), comps["raw_inputs"]))
+    return "; ".join(reasons) or "changed"
+
+
+def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None) -> list[PlannedStage]:
+    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing."""
+    stages = ordered()
+    chosen = select(stages, only, from_, to)
+    forced = {s.name for s in stages} if "all" in force else set(force)
+    for name in forced - {"all"}:
+        select(stages, only=[name])  # validates the name
+    fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+    producer = {o: s.name for s in stages for o in s.outputs}
+    keys: dict[str, str] = {}
+    plan = []
+    for spec in stages:
+        comps = components(cfg, spec, {i: keys[producer[i]] for i in spec.inputs}, fps)
+        key = keys[spec.name] = artifacts.hash_json(comps)
+        finished = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
+        if spec.name in chosen and spec.name in forced:
+            status, reason = "miss", "forced (--force)"
+        elif finished:
+            status, reason = "hit", f"cached ({key})"
+        else:
+            status, reason = "miss", explain_miss(cfg.run_dir, spec, key, comps)
+        plan.append(PlannedStage(spec, key, comps, status if spec.name in chosen else "skip", reason, finished))
+    _check_needed(plan, chosen)
+    return plan
+
+
+def _check_needed(plan: list[PlannedStage], chosen: set[str]) -> None:
+    """Selected stages whose inputs come from unselected stages need those artifacts to exist."""
+    by_name = {p.spec.name: p for p in plan}
+    stages = [p.spec for p in plan]
+    for p in plan:
+        if p.spec.name not in chosen:
+            continue
+        for up in _upstream(p.spec, stages):
+            upp = by_name[up]
+            if up not in chosen and not upp.finished:
+                raise UserError(
+                    f"stage '{p.spec.name}' needs the output of stage '{up}', which has not been run with "
+                    f"this configuration ({upp.reason}); run it first: add it to --only, or use --from {up}"
+                )
+
+
+# --------------------------------------------------------------------------- running
+
+
+class RunLock:
+    """An exclusive lock on the run directory: a second run on it refuses instead of racing.
+
+    `flock` is released by the kernel when the process dies, so a killed run never leaves a
+    stale lock behind.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / ".lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise UserError(
+                f"another pipeline run (pid {holder}) is using run_dir {self.path.parent}; wait for it to "
+                "finish, or give this run another run_dir (run_dir=...)"
+            ) from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+
+
+@dataclass
+class StageContext:
+    """What a stage sees of the pipeline: its directories, inputs, logging and Ray."""
+
+    name: str
+    pipeline: PipelineConfig
+    out_dir: Path
+    checkpoint_dir: Path
+    inputs: dict[str, Path]
+    console: Any
+    tracker: Any
+    run_id: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    started_ray: bool = False
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.update(metrics)
+        self.tracker.log_metrics(self.run_id, metrics, step)
+
+    def progress(self, message: str) -> None:
+        self.console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {self.name}: {message}")
+
+    def ray(self) -> None:
+        from pipeline.cluster import ensure_ray
+
+        self.started_ray = ensure_ray(self.pipeline.ray) or self.started_ray
+
+
+def git_version() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=artifacts.PROJECT_ROOT,
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=artifacts.PROJECT_ROOT,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha or "unknown") + ("-dirty" if dirty else "")
+
+
+def _sigterm_as_interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
+    """Execute one missed stage into its artifact dir and write its manifest last."""
+    if ctx.out_dir.exists():  # partial output of an interrupted attempt: never reused
+        shutil.rmtree(ctx.out_dir)
+    ctx.out_dir.mkdir(parents=True)
+    artifacts.write_json_atomic(artifacts.attempt_file(cfg.run_dir, p.spec.name),
+                                {"key": p.key, "components": p.components, "pid": os.getpid()})
+    module = importlib.import_module(p.spec.module)
+    start = time.time()
+    outputs = module.run(get_path(cfg, p.spec.config), ctx)
+    missing = [o for o in p.spec.outputs if o not in outputs or not Path(outputs[o]).exists()]
+    if missing:
+        raise RuntimeError(f"stage '{p.spec.name}' did not produce {missing}")
+    manifest = {
+        "stage": p.spec.name, "key": p.key, "components": p.components, "metrics": ctx.metrics,
+        "outputs": {o: str(Path(outputs[o]).relative_to(ctx.out_dir)) if Path(outputs[o]).is_relative_to(ctx.out_dir)
+                    else str(outputs[o]) for o in p.spec.outputs},
+        "duration_s": round(time.time() - start, 3), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "code_version": git_version(), "host": socket.gethostname(),
+    }
+    artifacts.write_json_atomic(ctx.out_dir / artifacts.MANIFEST, manifest)
+    return manifest
+
+
+def run_pipeline(cfg: PipelineConfig, plan: list[PlannedStage], config_path: Path, console) -> dict[str, Any]:
+    """Run the plan under the run-dir lock; returns {stage: manifest} and whether Ray was started."""
+    from pipeline.tracking import Tracker
+
+    active = [p for p in plan if p.status != "skip"]
+    by_name = {p.spec.name: p for p in plan}
+    producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
+    summary: dict[str, Any] = {"stages": {}, "started_ray": False}
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    with RunLock(cfg.run_dir):
+        version = git_version()
+        tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name=config_path.stem,
+                          tags={"config": str(config_path), "code_version": version, "run_dir": str(cfg.run_dir)})
+        tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
+        status, run_id, ctx = "FINISHED", None, None
+        try:
+            for i, p in enumerate(active, 1):
+                name, t0 = p.spec.name, time.time()
+                console.print(f"[bold][{i}/{len(active)}] {name}[/] {'[green]hit' if p.status == 'hit' else '[yellow]miss'}"
+                              f"[/] - {p.reason}")
+                run_id = tracker.start_stage(
+                    name, flatten(p.components["config"]),
+                    {"cache_key": p.key, "cache": p.status, "code_version": version,
+                     "code_hash": artifacts.hash_json(p.components["code"])},
+                )
+                out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
+                if p.status == "hit":
+                    manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
+                    tracker.log_metrics(run_id, manifest.get("metrics", {}))
+                else:
+                    inputs = {}
+                    for inp in p.spec.inputs:
+                        up = by_name[producer[inp]]
+                        up_manifest = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
+                        inputs[inp] = artifacts.output_paths(up_manifest, artifacts.artifact_dir(
+                            cfg.run_dir, up.spec.name, up.key))[inp]
+                    ctx = StageContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
+                                       inputs, console, tracker, run_id)
+                    manifest = _run_stage(cfg, p, ctx)
+                    summary["started_ray"] |= ctx.started_ray
+                tracker.log_dict(run_id, manifest, "manifest.json")
+                tracker.end(run_id)
+                run_id = None
+                summary["stages"][name] = manifest
+                console.print(f"[bold][{i}/{len(active)}] {name}[/] done in {time.time() - t0:.1f}s")
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        except BaseException:
+            status = "FAILED"
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            if run_id:
+                tracker.end(run_id, status)
+            tracker.end(tracker.parent_id, status)
+            if summary["started_ray"] or (ctx is not None and ctx.started_ray):
+                from pipeline.cluster import shutdown_ray
+
+                shutdown_ray()
+    return summary

@@ -1,0 +1,67 @@
+"""MLflow lineage: one parent run per pipeline run, one nested run per stage (executed or cached).
+
+Each stage run carries the stage's flattened config as params, its metrics, tags for the cache
+key, hit/miss and code version, and its manifest as an artifact; the parent carries the resolved
+config. Uses `MlflowClient` with explicit run ids rather than the fluent `mlflow.start_run` API,
+so nothing depends on a global "active run" (stages may log from callbacks and other threads).
+
+The default store is SQLite under the run directory, with artifacts beside it; any tracking
+server URI works the same way (`mlflow server`, see README).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+BATCH = 100  # MLflow's limit on params per log_batch call
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str, experiment: str, run_dir: Path, run_name: str, tags: dict[str, str]):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            # A local store keeps artifacts beside it; a server decides for itself (mlflow-artifacts:/).
+            local = tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri
+            location = (run_dir / "mlartifacts").as_uri() if local else None
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+        else:
+            self.experiment_id = exp.experiment_id
+        self.parent_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
+
+    def start_stage(self, stage: str, params: dict[str, Any], tags: dict[str, str]) -> str:
+        from mlflow.entities import Param
+
+        run = self.client.create_run(
+            self.experiment_id, run_name=stage, tags={"mlflow.parentRunId": self.parent_id, "stage": stage, **tags}
+        )
+        items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(run.info.run_id, params=items[i : i + BATCH])
+        return run.info.run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, v)
+
+    def log_artifact(self, run_id: str, path: Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_dict(self, run_id: str, data: Any, name: str) -> None:
+        self.client.log_dict(run_id, data, name)
+
+    def end(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)

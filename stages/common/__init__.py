@@ -1,0 +1,1 @@
+"""Mechanisms shared by several stages (models and tokenizers, the task, ...)."""

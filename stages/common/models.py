@@ -1,0 +1,152 @@
+"""Models and tokenizers: build the embedded default, or load any local HF checkpoint.
+
+No machine of this project reaches a model hub (DESIGN.md §2.11), so the default run *builds* its
+base model: a byte-level BPE tokenizer trained on the task corpus (digits split one per token, a
+ChatML chat template, special tokens) and a tiny randomly initialised LLaMA-architecture causal LM,
+both written with `save_pretrained`. Every later stage loads models with `from_pretrained(path)`
+exactly as it would a real checkpoint, so the real path is the tested path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from pydantic import Field, field_validator, model_validator
+
+from pipeline.schema import Section
+
+# ChatML, the format most open chat models use. `{% generation %}` markers are not needed: the
+# data stage finds assistant spans from character offsets, which works for any template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PAD, BOS_TURN, EOS_TURN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+
+class BuiltinModelConfig(Section):
+    """Shape of the built-in tiny LLaMA (used when `model.source` is 'builtin')."""
+
+    vocab_size: int = Field(512, ge=300, le=65536, description="Target BPE vocabulary size (>= 256 bytes + specials).")
+    hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
+    intermediate_size: int = Field(256, ge=8, description="Width of the MLP.")
+    num_layers: int = Field(2, ge=1, description="Number of decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads (must divide hidden_size).")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads for grouped-query attention (must divide num_heads).")
+    max_position_embeddings: int = Field(512, ge=16, description="Longest sequence the model accepts.")
+    tie_word_embeddings: bool = Field(True, description="Share input and output embeddings (fewer parameters).")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "BuiltinModelConfig":
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        return self
+
+
+class ModelConfig(Section):
+    """Where the base model and tokenizer come from."""
+
+    source: str = Field(
+        "builtin",
+        description="'builtin' builds the tiny default; otherwise a local HF checkpoint directory "
+        "(config.json, weights, tokenizer), e.g. a downloaded Qwen or Llama.",
+    )
+    builtin: BuiltinModelConfig = Field(default_factory=BuiltinModelConfig, description="Shape of the built-in model.")
+
+    @field_validator("source")
+    @classmethod
+    def _checkpoint_dir(cls, v: str) -> str:
+        if v == "builtin":
+            return v
+        path = Path(v).expanduser().absolute()
+        if not path.is_dir():
+            raise ValueError(f"model directory not found: {path} (use 'builtin' or a local HF checkpoint directory)")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json; point it at a directory written by save_pretrained")
+        return str(path)
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.source == "builtin"
+
+
+def build_tokenizer(texts: list[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer on `texts` and wrap it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits one per token: arithmetic is learnable digit by digit, not from arbitrary merges.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS_TURN, EOS_TURN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TURN,
+        pad_token=PAD,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_model(cfg: BuiltinModelConfig, tokenizer, seed: int):
+    """A randomly initialised LLaMA-architecture causal LM sized by `cfg` (deterministic in `seed`)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TURN),
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    return model
+
+
+def build_base_model(out_dir: Path, cfg: BuiltinModelConfig, corpus: list[str], seed: int) -> Path:
+    """Build tokenizer and model and save both, HF format (safetensors), into `out_dir`."""
+    tokenizer = build_tokenizer(corpus, cfg.vocab_size)
+    model = build_model(cfg, tokenizer, seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def load_tokenizer(path: str | Path):
+    """Load a tokenizer with a chat template from a local directory (never from a hub)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tok.chat_template is None:
+        raise ValueError(f"tokenizer at {path} has no chat_template; use a chat/instruct checkpoint")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,133 @@
+"""The embedded default task: integer arithmetic with verifiable answers.
+
+Why arithmetic: every answer can be checked exactly (the verifier is the reward for PPO and the
+accuracy metric for SFT), a model of a few million parameters learns it on a CPU in minutes, and
+plausible wrong answers (off by one, a dropped carry) make honest preference pairs.
+
+Everything here is pure Python and deterministic under the seed: the same config and seed give
+the same rows on every machine. Later stages use `verify` (and `extract_answer`) for rewards.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.schema import Section
+
+Op = Literal["+", "-", "*"]
+
+PROMPT_TEMPLATES = (
+    "What is {a} {op} {b}?",
+    "Compute {a} {op} {b}.",
+    "{a} {op} {b} = ?",
+    "Calculate {a} {op} {b}.",
+)
+
+
+class TaskConfig(Section):
+    """The generated task: binary integer arithmetic problems."""
+
+    name: Literal["arithmetic"] = Field("arithmetic", description="Task family; only 'arithmetic' is built in.")
+    min_digits: int = Field(1, ge=1, le=9, description="Fewest digits of an operand.")
+    max_digits: int = Field(2, ge=1, le=9, description="Most digits of an operand (>= min_digits).")
+    ops: list[Op] = Field(["+", "-"], min_length=1, description="Operators to draw from: any of '+', '-', '*'.")
+
+    @model_validator(mode="after")
+    def _digits_ordered(self) -> "TaskConfig":
+        if self.max_digits < self.min_digits:
+            raise ValueError(
+                f"max_digits ({self.max_digits}) must be >= min_digits ({self.min_digits}); raise max_digits"
+            )
+        return self
+
+
+def _operand(rng: random.Random, cfg: TaskConfig) -> int:
+    digits = rng.randint(cfg.min_digits, cfg.max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
+
+
+def _problem(rng: random.Random, cfg: TaskConfig) -> tuple[str, str, int]:
+    """Draw one problem: (prompt, worked answer text, integer answer)."""
+    a, b, op = _operand(rng, cfg), _operand(rng, cfg), rng.choice(cfg.ops)
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    prompt = rng.choice(PROMPT_TEMPLATES).format(a=a, op=op, b=b)
+    return prompt, f"{a} {op} {b} = {value}", value
+
+
+def _wrong_value(rng: random.Random, value: int) -> int:
+    """A plausible wrong answer: off by one or ten, a dropped carry, or a swapped digit pair."""
+    while True:
+        kind = rng.randrange(4)
+        if kind == 0:
+            wrong = value + rng.choice((-1, 1))
+        elif kind == 1:
+            wrong = value + rng.choice((-10, 10))
+        elif kind == 2:
+            wrong = value + rng.choice((-100, 100, -1, 1)) * rng.randint(1, 9)
+        else:
+            digits = list(str(abs(value)))
+            if len(digits) < 2:
+                continue
+            i = rng.randrange(len(digits) - 1)
+            digits[i], digits[i + 1] = digits[i + 1], digits[i]
+            wrong = int("".join(digits)) * (-1 if value < 0 else 1)
+        if wrong != value:
+            return wrong
+
+
+def sft_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
+    """`n` chat conversations (user question, assistant worked answer)."""
+    rng = random.Random(f"sft-{seed}")
+    rows = []
+    for _ in range(n):
+        prompt, response, _ = _problem(rng, cfg)
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]})
+    return rows
+
+
+def preference_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
+    """`n` preference pairs: the correct answer is chosen over a plausible wrong one."""
+    rng = random.Random(f"preference-{seed}")
+    rows = []
+    for _ in range(n):
+        prompt, response, value = _problem(rng, cfg)
+        head = response.rsplit("=", 1)[0]
+        rows.append({"prompt": prompt, "chosen": response, "rejected": f"{head}= {_wrong_value(rng, value)}"})
+    return rows
+
+
+def prompt_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
+    """`n` RL prompts with their reference answers (checked by `verify`)."""
+    rng = random.Random(f"prompts-{seed}")
+    rows = []
+    for _ in range(n):
+        prompt, _, value = _problem(rng, cfg)
+        rows.append({"prompt": prompt, "answer": str(value)})
+    return rows
+
+
+def corpus(cfg: TaskConfig, seed: int, n: int = 2000) -> list[str]:
+    """Texts to train the built-in tokenizer on: prompts and answers of every shape the task makes."""
+    texts = [m["content"] for row in sft_rows(n, seed, cfg) for m in row["messages"]]
+    texts += [f"{r['chosen']}\n{r['rejected']}" for r in preference_rows(n // 4, seed, cfg)]
+    return texts + ["system", "user", "assistant"] * 50
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def extract_answer(response: str) -> int | None:
+    """The last integer in a response (the task's answer convention), or None if there is none."""
+    found = _INT.findall(response.replace(",", ""))
+    return int(found[-1]) if found else None
+
+
+def verify(response: str, answer: str) -> bool:
+    """True when the response's final integer equals the reference answer."""
+    got = extract_answer(response)
+    return got is not None and str(got) == str(answer).strip()

@@ -1,0 +1,375 @@
+"""Data stage: raw rows -> tokenized Parquet datasets for SFT, preference pairs and RL prompts.
+
+Built on Ray Data, reading top to bottom:
+
+    read (jsonl / parquet / csv, or the generated task set)
+      -> validate each row (`on_bad_rows: drop | fail`; a bad file is named with its line)
+      -> deduplicate -> split train/eval by a seeded hash of the prompt
+      -> chat template + tokenize (`map_batches` on an actor pool) + truncate to `max_len`
+         + loss mask (1 on assistant tokens only) [+ pack SFT rows]
+      -> Parquet: <out>/sft/{train,eval}, <out>/preference/{train,eval}, <out>/prompts/{train,eval}
+
+The split is a pure function of (seed, prompt), not a random permutation: it needs no global
+shuffle, is the same on every rerun, and a prompt that is held out is held out in *every* dataset
+(SFT eval prompts never appear in preference or RL training), which keeps later accuracy honest.
+
+Run alone: `python -m pipeline run configs/full.yaml --only data` (after the `model` stage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.errors import DataError
+from pipeline.schema import Section
+from stages.common.formats import KINDS, SUFFIXES, check_row, locate_problem
+
+
+class SourcesConfig(Section):
+    """Raw files per row kind. A kind with no files is generated from the task instead."""
+
+    sft: list[Path] = Field([], description="Files with 'messages' or 'prompt'+'response' rows.")
+    preference: list[Path] = Field([], description="Files with 'prompt', 'chosen', 'rejected' rows.")
+    prompts: list[Path] = Field([], description="Files with 'prompt' (+ optional 'answer') rows for RL.")
+
+    @field_validator("sft", "preference", "prompts")
+    @classmethod
+    def _existing_files(cls, paths: list[Path]) -> list[Path]:
+        out = []
+        for p in paths:
+            p = p.expanduser().absolute()
+            if not p.is_file():
+                raise ValueError(f"file not found: {p} (check the path; relative paths start at the current directory)")
+            if p.suffix.lower() not in SUFFIXES:
+                raise ValueError(f"{p.name}: unsupported format; use one of {', '.join(SUFFIXES)} (.json means JSON Lines)")
+            out.append(p)
+        return out
+
+
+class GenerateConfig(Section):
+    """Row counts drawn from the task for kinds that have no source files (0 = none)."""
+
+    sft: int = Field(4000, ge=0, description="SFT conversations to generate.")
+    preference: int = Field(2000, ge=0, description="Preference pairs to generate.")
+    prompts: int = Field(1000, ge=0, description="RL prompts (with reference answers) to generate.")
+
+
+class DataConfig(Section):
+    """The data stage."""
+
+    sources: SourcesConfig = Field(default_factory=SourcesConfig, description="Raw files per row kind.")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Generated rows per kind.")
+    max_len: int = Field(128, ge=8, le=65536, description="Tokens per row; longer SFT rows are truncated, longer pairs/prompts dropped.")
+    pack: bool = Field(False, description="Pack several SFT conversations into each max_len row (position ids restart per conversation).")
+    eval_fraction: float = Field(0.05, gt=0, lt=1, description="Share of prompts held out for evaluation (by seeded hash of the prompt).")
+    dedupe: bool = Field(True, description="Drop exact duplicate rows within each kind.")
+    on_bad_rows: Literal["drop", "fail"] = Field("drop", description="'drop': skip invalid rows and count them; 'fail': stop at the first, naming file and line.")
+    system_prompt: str | None = Field(None, description="System message prepended to conversations that have none.")
+    batch_size: int = Field(256, ge=1, description="Rows per Ray Data batch for validation and tokenization.")
+    tokenizer_actors: int = Field(2, ge=1, description="Size of the tokenizer actor pool.")
+
+
+# --------------------------------------------------------------------------- pure row functions
+
+
+def split_of(key: str, seed: int, eval_fraction: float) -> str:
+    """'eval' or 'train', a stable function of (seed, prompt) (Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(digest, "big") / 2**64 < eval_fraction else "train"
+
+
+def render_with_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """Chat-template text of a conversation and the character spans of its assistant replies.
+
+    Works for any template that renders a conversation's prefix as a prefix of the whole text
+    (every mainstream chat template does): the span of reply i runs from the end of
+    `template(messages[:i], add_generation_prompt=True)` to the end of `template(messages[:i+1])`,
+    less trailing whitespace, so it covers the reply and the template's end-of-turn token.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
+        if not (text.startswith(upto) and upto.startswith(before)):
+            raise ValueError("the tokenizer's chat template does not render prefixes stably; cannot mask assistant turns")
+        spans.append((len(before), len(upto)))
+    return text, spans
+
+
+def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for tokens whose first character lies in an assistant span, else 0."""
+    return [int(any(s <= start < e for s, e in spans) and end > start) for start, end in offsets]
+
+
+def pack_rows(rows: list[tuple[list[int], list[int]]], max_len: int) -> list[dict]:
+    """Greedily concatenate (input_ids, loss_mask) rows into rows of at most `max_len` tokens.
+
+    `position_ids` restart at 0 for each conversation so positions match unpacked training.
+    """
+    packed, ids, mask, pos = [], [], [], []
+    for row_ids, row_mask in rows:
+        if ids and len(ids) + len(row_ids) > max_len:
+            packed.append({"input_ids": ids, "loss_mask": mask, "position_ids": pos})
+            ids, mask, pos = [], [], []
+        ids, mask, pos = ids + row_ids, mask + row_mask, pos + list(range(len(row_ids)))
+    if ids:
+        packed.append({"input_ids": ids, "loss_mask": mask, "position_ids": pos})
+    return packed
+
+
+# --------------------------------------------------------------------------- Ray Data steps
+# All three row kinds travel through one Ray Data pipeline with one schema, so the whole stage
+# costs one read pass, one tokenizer actor pool and one materialisation (Ray Data's fixed cost per
+# execution dominates at this data size; DESIGN.md §2.12).
+
+# Columns each kind writes, besides `num_tokens`.
+COLUMNS = {
+    "sft": ("prompt", "input_ids", "loss_mask"),
+    "preference": ("prompt", "chosen", "rejected", "chosen_input_ids", "chosen_loss_mask",
+                   "rejected_input_ids", "rejected_loss_mask"),
+    "prompts": ("prompt", "answer", "prompt_ids"),
+}
+TEXT_COLUMNS = ("kind", "split", "prompt", "chosen", "rejected", "answer")
+ID_COLUMNS = ("input_ids", "loss_mask", "chosen_input_ids", "chosen_loss_mask", "rejected_input_ids",
+              "rejected_loss_mask", "prompt_ids", "position_ids")
+TOKEN_COLUMN = {"sft": "input_ids", "preference": "chosen_input_ids", "prompts": "prompt_ids"}
+
+
+def _validate_batch(batch, kind: str, source: str, seed: int, eval_fraction: float):
+    """Raw rows -> one uniform schema (kind, key, split, payload JSON, error, source)."""
+    import pyarrow as pa
+
+    out: dict[str, list] = {"kind": [], "key": [], "split": [], "payload": [], "error": [], "source": []}
+    for row in batch.to_pylist():
+        good, error = check_row(kind, row)
+        key = good["key"] if good else ""
+        out["kind"].append(kind)
+        out["key"].append(key)
+        out["split"].append(split_of(key, seed, eval_fraction) if good else "")
+        out["payload"].append(json.dumps(good, sort_keys=True) if good else "")
+        out["error"].append(error)
+        out["source"].append(source)
+    return pa.table(out)
+
+
+def _read(kind: str, source: Path | list[dict], cfg: DataConfig, seed: int):
+    """A lazy Ray dataset of validated rows from one file or from generated rows."""
+    import ray.data
+
+    if isinstance(source, list):
+        ds, name = ray.data.from_items(source), "generated"
+    else:
+        suffix, name = source.suffix.lower(), str(source)
+        if suffix in (".jsonl", ".json"):
+            ds = ray.data.read_json(name, lines=True)
+        elif suffix == ".csv":
+            ds = ray.data.read_csv(name)
+        else:
+            ds = ray.data.read_parquet(name)
+    return ds.map_batches(_validate_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
+                          fn_kwargs={"kind": kind, "source": name, "seed": seed, "eval_fraction": cfg.eval_fraction})
+
+
+def _first_row(group):
+    return group.slice(0, 1)
+
+
+def _table(rows: list[dict]):
+    """Rows -> a pyarrow table with explicit types (ragged int lists, not numpy object arrays)."""
+    import pyarrow as pa
+
+    cols = {c: pa.array([r.get(c, "") for r in rows], pa.string()) for c in TEXT_COLUMNS}
+    cols.update({c: pa.array([r.get(c, []) for r in rows], pa.list_(pa.int32())) for c in ID_COLUMNS})
+    cols["num_tokens"] = pa.array([len(r.get(TOKEN_COLUMN[r["kind"]], [])) for r in rows], pa.int64())
+    return pa.table(cols)
+
+
+class Tokenize:
+    """Ray Data actor: validated payload rows of any kind -> token ids and loss masks.
+
+    Rows too long to use are kept as `split = "dropped:<split>"` so the stage can count them in
+    the same pass; they are never written.
+    """
+
+    def __init__(self, tokenizer_path: str, max_len: int, system_prompt: str | None):
+        from stages.common.models import load_tokenizer
+
+        self.tok, self.max_len, self.system = load_tokenizer(tokenizer_path), max_len, system_prompt
+
+    def _with_system(self, messages: list[dict]) -> list[dict]:
+        if self.system and messages[0]["role"] != "system":
+            return [{"role": "system", "content": self.system}] + messages
+        return messages
+
+    def _conversation(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        text, spans = render_with_spans(self.tok, self._with_system(messages))
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], loss_mask(enc["offset_mapping"], spans)
+
+    def _row(self, kind: str, row: dict) -> tuple[dict, bool]:
+        """(tokenized row, fits in max_len)."""
+        if kind == "sft":
+            ids, mask = self._conversation(row["messages"])
+            ids, mask = ids[: self.max_len], mask[: self.max_len]  # truncate; usable while a reply remains
+            return {"prompt": row["key"], "input_ids": ids, "loss_mask": mask}, any(mask)
+        if kind == "preference":
+            user = [{"role": "user", "content": row["prompt"]}]
+            c_ids, c_mask = self._conversation(user + [{"role": "assistant", "content": row["chosen"]}])
+            r_ids, r_mask = self._conversation(user + [{"role": "assistant", "content": row["rejected"]}])
+            out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
+                   "chosen_input_ids": c_ids, "chosen_loss_mask": c_mask,
+                   "rejected_input_ids": r_ids, "rejected_loss_mask": r_mask}
+            return out, max(len(c_ids), len(r_ids)) <= self.max_len  # truncation could erase the difference
+        messages = self._with_system([{"role": "user", "content": row["prompt"]}])
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        return {"prompt": row["prompt"], "answer": row["answer"], "prompt_ids": ids}, len(ids) < self.max_len
+
+    def __call__(self, batch):
+        rows = []
+        for kind, split, payload in zip(batch["kind"].to_pylist(), batch["split"].to_pylist(),
+                                        batch["payload"].to_pylist()):
+            out, fits = self._row(kind, json.loads(payload))
+            rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}"})
+        return _table(rows)
+
+
+def _pack_batch(batch, max_len: int):
+    import pyarrow as pa
+
+    rows = list(zip(batch["input_ids"].to_pylist(), batch["loss_mask"].to_pylist()))
+    packed = pack_rows(rows, max_len)
+    return pa.table({
+        "prompt": pa.array([""] * len(packed), pa.string()),
+        "input_ids": pa.array([p["input_ids"] for p in packed], pa.list_(pa.int32())),
+        "loss_mask": pa.array([p["loss_mask"] for p in packed], pa.list_(pa.int32())),
+        "position_ids": pa.array([p["position_ids"] for p in packed], pa.list_(pa.int32())),
+        "num_tokens": pa.array([len(p["input_ids"]) for p in packed], pa.int64()),
+    })
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def raw_inputs(pcfg) -> list[Path]:
+    """Files whose contents are part of this stage's cache key."""
+    s = pcfg.stages.data.sources
+    return [*s.sft, *s.preference, *s.prompts]
+
+
+def _sources(cfg: DataConfig, pcfg) -> list[tuple[str, Path | list[dict]]]:
+    """(kind, file or generated rows) for every input; a kind without files is generated."""
+    from stages.common import tasks
+
+    make = {"sft": tasks.sft_rows, "preference": tasks.preference_rows, "prompts": tasks.prompt_rows}
+    out: list[tuple[str, Path | list[dict]]] = []
+    for kind in KINDS:
+        files = getattr(cfg.sources, kind)
+        n = getattr(cfg.generate, kind)
+        out += [(kind, f) for f in files] or ([(kind, make[kind](n, pcfg.seed, pcfg.task))] if n else [])
+    return out
+
+
+def _checked(cfg: DataConfig, pcfg):
+    """Read and validate all sources into one materialised dataset; name the file on read errors."""
+    sources = _sources(cfg, pcfg)
+    parts = [_read(kind, src, cfg, pcfg.seed) for kind, src in sources]
+    if not parts:
+        raise DataError("no data: every kind has no source files and stages.data.generate counts are 0")
+    ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+    try:
+        return ds.materialize()
+    except Exception as exc:  # Ray wraps reader errors; locate the bad file and line ourselves
+        for kind, src in sources:
+            problem = locate_problem(src, kind) if isinstance(src, Path) else None
+            if problem:
+                raise DataError(f"{problem} (fix the file, or remove it from stages.data.sources.{kind})") from None
+        raise DataError(f"could not read the data sources: {exc}") from exc
+
+
+def _bad_rows(checked, on_bad_rows: str) -> dict[str, int]:
+    """Count invalid rows per kind; with on_bad_rows=fail, raise naming the first one's file and line."""
+    bad = checked.filter(expr="error != ''")
+    counts = {r["kind"]: r["count()"] for r in bad.groupby("kind").count().take_all()}
+    if counts and on_bad_rows == "fail":
+        first = bad.take(1)[0]
+        where = locate_problem(Path(first["source"]), first["kind"]) if first["source"] != "generated" else None
+        raise DataError(f"{where or first['source'] + ': ' + first['error']} ({sum(counts.values())} invalid rows; "
+                        "fix them, or set stages.data.on_bad_rows=drop to skip and count them)")
+    return counts
+
+
+def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path) -> tuple[int, int]:
+    """Write one (kind, split) to Parquet; return (rows, tokens) read back from the files."""
+    import pyarrow.parquet as pq
+
+    part = tokens.filter(expr=f"kind == '{kind}' and split == '{split}'")
+    part = part.select_columns([*COLUMNS[kind], "num_tokens"])
+    if kind == "sft" and cfg.pack:
+        part = part.map_batches(_pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
+                                fn_kwargs={"max_len": cfg.max_len})
+    dest.mkdir(parents=True, exist_ok=True)
+    part.write_parquet(str(dest))
+    files = sorted(dest.glob("*.parquet"))
+    if not files:
+        return 0, 0
+    n_tokens = pq.ParquetDataset(files).read(columns=["num_tokens"]).column("num_tokens").to_pylist()
+    return len(n_tokens), sum(n_tokens)
+
+
+def _quiet_ray_data() -> None:
+    """Our per-step progress lines replace Ray Data's per-execution logs (dozens per stage)."""
+    import logging
+
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+
+
+def run(cfg: DataConfig, ctx) -> dict[str, Path]:
+    """Build the three datasets; log row, token and dropped counts per kind."""
+    ctx.ray()
+    _quiet_ray_data()
+    ctx.progress("reading and validating sources")
+    checked = _checked(cfg, ctx.pipeline)
+    bad = _bad_rows(checked, cfg.on_bad_rows)
+    good = checked.filter(expr="error == ''")
+    n_good = good.count()
+    if cfg.dedupe:
+        good = good.groupby(["kind", "payload"]).map_groups(_first_row, batch_format="pyarrow")
+    ctx.progress(f"tokenizing {n_good} valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
+    tokens = good.map_batches(
+        Tokenize, batch_format="pyarrow", batch_size=cfg.batch_size, concurrency=cfg.tokenizer_actors,
+        fn_constructor_kwargs={"tokenizer_path": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
+                               "system_prompt": cfg.system_prompt},
+    ).materialize()
+    per_kind = {(r["kind"], r["split"]): r["count()"] for r in tokens.groupby(["kind", "split"]).count().take_all()}
+    metrics: dict[str, int] = {}
+    for kind in KINDS:
+        unique = sum(n for (k, _), n in per_kind.items() if k == kind)
+        valid = checked.filter(expr=f"kind == '{kind}' and error == ''").count() if cfg.dedupe else unique
+        metrics |= {f"{kind}_rows_bad": bad.get(kind, 0), f"{kind}_rows_duplicate": valid - unique,
+                    f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
+        for split in ("train", "eval"):
+            rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split)
+            metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
+        (ctx.out_dir / kind / "meta.json").write_text(json.dumps({
+            "kind": kind, "tokenizer": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
+            "packed": cfg.pack and kind == "sft", "columns": [*COLUMNS[kind], "num_tokens"],
+            "rows": {s: metrics[f"{kind}_{s}_rows"] for s in ("train", "eval")},
+        }, indent=2))
+        ctx.progress(f"{kind}: {metrics[f'{kind}_train_rows']} train / {metrics[f'{kind}_eval_rows']} eval rows "
+                     f"({metrics[f'{kind}_rows_bad']} invalid, {metrics[f'{kind}_rows_duplicate']} duplicate, "
+                     f"{metrics[f'{kind}_rows_too_long']} too long dropped)")
+    ctx.log_metrics(metrics)
+    return {"sft_data": ctx.out_dir / "sft", "preference_data": ctx.out_dir / "preference",
+            "prompt_data": ctx.out_dir / "prompts"}

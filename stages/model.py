@@ -1,0 +1,43 @@
+"""Model stage: the base model and tokenizer every later stage starts from.
+
+With `model.source: builtin` (the embedded default) it trains a byte-level BPE tokenizer on the
+task corpus and builds a tiny random LLaMA (see `stages.common.models`), saved in HF format.
+With `model.source: /path/to/checkpoint` it checks that the directory loads (config, tokenizer
+with a chat template) and passes the path on without copying; the directory's contents are part
+of the cache key, so replacing the checkpoint reruns everything downstream.
+
+Run alone: `python -m pipeline run configs/full.yaml --only model`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def raw_inputs(pcfg) -> list[Path]:
+    """Files whose contents are part of this stage's cache key: a user checkpoint's files."""
+    return [] if pcfg.model.is_builtin else [Path(pcfg.model.source)]
+
+
+def run(cfg, ctx) -> dict[str, Path]:
+    """`cfg` is the top-level `model` section."""
+    from stages.common import models, tasks
+
+    if not cfg.is_builtin:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(cfg.source, local_files_only=True)
+        tok = models.load_tokenizer(cfg.source)
+        ctx.log_metrics({"vocab_size": len(tok)})
+        return {"base_model": Path(cfg.source)}
+
+    ctx.progress("training the byte-level BPE tokenizer on the task corpus")
+    corpus = tasks.corpus(ctx.pipeline.task, ctx.pipeline.seed)
+    out = models.build_base_model(ctx.out_dir / "model", cfg.builtin, corpus, ctx.pipeline.seed)
+    tok = models.load_tokenizer(out)
+    from transformers import AutoModelForCausalLM
+
+    n_params = models.count_parameters(AutoModelForCausalLM.from_pretrained(out))
+    ctx.progress(f"built a {n_params / 1e6:.2f}M-parameter LLaMA with a {len(tok)}-token vocabulary")
+    ctx.log_metrics({"num_parameters": n_params, "vocab_size": len(tok)})
+    return {"base_model": out}
