@@ -43,12 +43,15 @@ def hash_json(data: Any, length: int = 16) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
-def _module_file(module: str, root: Path) -> Path | None:
-    base = root.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
+def _module_file(module: str) -> Path | None:
+    """The source file of a module, found without importing it (its parent packages are imported)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # e.g. `from stages.common.tasks import TaskConfig` names a class
+        return None
+    return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -63,7 +66,7 @@ def _imported_modules(path: Path) -> set[str]:
     return {n for n in names if n.split(".")[0] in PROJECT_PACKAGES}
 
 
-def code_files(module: str, root: Path = PROJECT_ROOT) -> list[Path]:
+def code_files(module: str) -> list[Path]:
     """The stage module's file and every project module it transitively imports."""
     seen: dict[str, Path] = {}
     todo = [module]
@@ -71,7 +74,7 @@ def code_files(module: str, root: Path = PROJECT_ROOT) -> list[Path]:
         name = todo.pop()
         if name in seen:
             continue
-        path = _module_file(name, root)
+        path = _module_file(name)
         if path is None:
             continue
         seen[name] = path
@@ -79,9 +82,10 @@ def code_files(module: str, root: Path = PROJECT_ROOT) -> list[Path]:
     return sorted(set(seen.values()))
 
 
-def code_fingerprint(module: str, root: Path = PROJECT_ROOT) -> dict[str, str]:
-    """{relative path: sha256} of the code a stage runs."""
-    return {str(p.relative_to(root)): sha256_file(p) for p in code_files(module, root)}
+def code_fingerprint(module: str) -> dict[str, str]:
+    """{path (relative to the project when inside it): sha256} of the code a stage runs."""
+    return {str(p.relative_to(PROJECT_ROOT)) if p.is_relative_to(PROJECT_ROOT) else str(p): sha256_file(p)
+            for p in code_files(module)}
 
 
 class FingerprintCache:

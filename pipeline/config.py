@@ -203,3 +203,24 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix.rstrip("."): data}
+
+
+def reference(model: type[Section] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key path, default, description) for every option: the README's config reference."""
+    rows = []
+    for name, f in model.model_fields.items():
+        path = f"{prefix}{name}"
+        sub = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, Section) else None
+        if sub is not None:
+            rows.append((path, "", f.description or ""))
+            rows += reference(sub, path + ".")
+        else:
+            default = f.get_default(call_default_factory=True)
+            rows.append((path, json_default(default), f.description or ""))
+    return rows
+
+
+def json_default(value: Any) -> str:
+    import json
+
+    return json.dumps(value if not isinstance(value, Path) else str(value))

@@ -132,9 +132,10 @@ def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
     return "; ".join(reasons) or "changed"
 
 
-def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None) -> list[PlannedStage]:
+def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None,
+               registry: tuple[StageSpec, ...] = STAGES) -> list[PlannedStage]:
     """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing."""
-    stages = ordered()
+    stages = ordered(registry)
     chosen = select(stages, only, from_, to)
     forced = {s.name for s in stages} if "all" in force else set(force)
     for name in forced - {"all"}:

@@ -182,6 +182,27 @@ def _first_row(group):
     return group.slice(0, 1)
 
 
+def _partial_counts(batch, columns: list[str]):
+    """Row counts per distinct value of `columns` within one batch (summed by `_count_by`)."""
+    import pyarrow as pa
+
+    return pa.table({"counts": [json.dumps(batch.group_by(columns).aggregate([([], "count_all")]).to_pylist())]})
+
+
+def _count_by(ds, columns: list[str]) -> dict[tuple, int]:
+    """Rows per value of `columns`, from per-block partial counts: no shuffle.
+
+    A `groupby().count()` would start Ray Data's hash-shuffle aggregators, seconds of fixed
+    cost for a few small numbers.
+    """
+    totals: dict[tuple, int] = {}
+    for row in ds.map_batches(_partial_counts, batch_format="pyarrow", fn_kwargs={"columns": columns}).take_all():
+        for part in json.loads(row["counts"]):
+            key = tuple(part[c] for c in columns)
+            totals[key] = totals.get(key, 0) + part["count_all"]
+    return totals
+
+
 def _table(rows: list[dict]):
     """Rows -> a pyarrow table with explicit types (ragged int lists, not numpy object arrays)."""
     import pyarrow as pa
@@ -297,8 +318,10 @@ def _checked(cfg: DataConfig, pcfg):
 
 def _bad_rows(checked, on_bad_rows: str) -> dict[str, int]:
     """Count invalid rows per kind; with on_bad_rows=fail, raise naming the first one's file and line."""
-    bad = checked.filter(expr="error != ''")
-    counts = {r["kind"]: r["count()"] for r in bad.groupby("kind").count().take_all()}
+    from ray.data.expressions import col
+
+    bad = checked.filter(expr=col("error") != "")
+    counts = {kind: n for (kind,), n in _count_by(bad, ["kind"]).items()}
     if counts and on_bad_rows == "fail":
         first = bad.take(1)[0]
         where = locate_problem(Path(first["source"]), first["kind"]) if first["source"] != "generated" else None
@@ -311,7 +334,9 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path) -> tuple[
     """Write one (kind, split) to Parquet; return (rows, tokens) read back from the files."""
     import pyarrow.parquet as pq
 
-    part = tokens.filter(expr=f"kind == '{kind}' and split == '{split}'")
+    from ray.data.expressions import col
+
+    part = tokens.filter(expr=(col("kind") == kind) & (col("split") == split))
     part = part.select_columns([*COLUMNS[kind], "num_tokens"])
     if kind == "sft" and cfg.pack:
         part = part.map_batches(_pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
@@ -342,22 +367,28 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
     ctx.progress("reading and validating sources")
     checked = _checked(cfg, ctx.pipeline)
     bad = _bad_rows(checked, cfg.on_bad_rows)
-    good = checked.filter(expr="error == ''")
-    n_good = good.count()
+    from ray.data.expressions import col
+
+    good = checked.filter(expr=col("error") == "")
+    valid = _count_by(good, ["kind"])
+    n_good = sum(valid.values())
     if cfg.dedupe:
-        good = good.groupby(["kind", "payload"]).map_groups(_first_row, batch_format="pyarrow")
+        # An explicit, small partition count: the default (200) costs seconds of shuffle set-up.
+        good = good.groupby(["kind", "payload"], num_partitions=max(2, cfg.tokenizer_actors))
+        good = good.map_groups(_first_row, batch_format="pyarrow")
     ctx.progress(f"tokenizing {n_good} valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
+    from ray.data import ActorPoolStrategy
+
     tokens = good.map_batches(
-        Tokenize, batch_format="pyarrow", batch_size=cfg.batch_size, concurrency=cfg.tokenizer_actors,
+        Tokenize, batch_format="pyarrow", batch_size=cfg.batch_size, compute=ActorPoolStrategy(size=cfg.tokenizer_actors),
         fn_constructor_kwargs={"tokenizer_path": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
                                "system_prompt": cfg.system_prompt},
     ).materialize()
-    per_kind = {(r["kind"], r["split"]): r["count()"] for r in tokens.groupby(["kind", "split"]).count().take_all()}
+    per_kind = _count_by(tokens, ["kind", "split"])
     metrics: dict[str, int] = {}
     for kind in KINDS:
         unique = sum(n for (k, _), n in per_kind.items() if k == kind)
-        valid = checked.filter(expr=f"kind == '{kind}' and error == ''").count() if cfg.dedupe else unique
-        metrics |= {f"{kind}_rows_bad": bad.get(kind, 0), f"{kind}_rows_duplicate": valid - unique,
+        metrics |= {f"{kind}_rows_bad": bad.get(kind, 0), f"{kind}_rows_duplicate": valid.get((kind,), 0) - unique,
                     f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
         for split in ("train", "eval"):
             rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split)

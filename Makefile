@@ -1,0 +1,22 @@
+# The two set-up commands of the README:
+#   make run    install everything, then run the embedded default pipeline (configs/full.yaml)
+#   make test   install everything, then run the test suite
+PY := .venv/bin/python
+EXTRA ?= cpu
+
+.PHONY: setup run test test-fast bench
+
+setup:
+	EXTRA=$(EXTRA) bash scripts/setup.sh
+
+run: setup
+	$(PY) -m pipeline run configs/full.yaml
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+bench: setup
+	$(PY) bench/data_bench.py

