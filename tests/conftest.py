@@ -1,0 +1,53 @@
+"""Shared fixtures: the smoke config in a temporary run dir, one local Ray for the session, CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "configs" / "smoke.yaml"
+
+
+def smoke_config(run_dir: Path, *overrides: str):
+    from pipeline.config import load_config
+
+    return load_config(SMOKE, [f"run_dir={run_dir}", *overrides])
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m pipeline ARGS` in a fresh process, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for in-process stage tests (the runner reuses it and leaves it running)."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tracking_uri(tmp_path_factory) -> str:
+    """One SQLite MLflow store for in-process runs (creating a store costs seconds of migrations)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tmp_path_factory):
+    """The built-in tokenizer, trained on the smoke task corpus."""
+    from stages.common import models, tasks
+
+    cfg = smoke_config(tmp_path_factory.mktemp("unused"))
+    tok = models.build_tokenizer(tasks.corpus(cfg.task, cfg.seed), cfg.model.builtin.vocab_size)
+    path = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(path)
+    return models.load_tokenizer(path)

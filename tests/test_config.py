@@ -1,0 +1,109 @@
+"""Configuration: shipped YAMLs validate, user mistakes give one clear message and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from conftest import ROOT, SMOKE, run_cli, smoke_config
+from pipeline.config import PipelineConfig, load_config, reference
+from pipeline.errors import ConfigError
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.run_dir.is_absolute()
+
+
+def test_every_option_is_documented():
+    missing = [key for key, _, desc in reference() if not desc.strip()]
+    assert not missing, f"fields without a description: {missing}"
+
+
+def test_readme_config_reference_is_current():
+    import subprocess
+    import sys
+
+    rc = subprocess.run([sys.executable, "scripts/config_docs.py", "--check"], cwd=ROOT).returncode
+    assert rc == 0, "README config reference is stale: run scripts/config_docs.py"
+
+
+def test_override_sets_nested_values(tmp_path):
+    cfg = smoke_config(tmp_path, "stages.data.max_len=96", "task.ops=['+', '*']", "stages.data.pack=true")
+    assert cfg.stages.data.max_len == 96
+    assert cfg.task.ops == ["+", "*"]
+    assert cfg.stages.data.pack is True
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("stages.data.maxlen=3", "stages.data.maxlen: unknown key; did you mean 'max_len'?"),
+        ("stages.data.max_len=abc", "stages.data.max_len: input should be a valid integer"),
+        ("stages.data.max_len=-1", "stages.data.max_len: input should be greater than or equal to 8, got -1"),
+        ("stages.data.on_bad_rows=skip", "stages.data.on_bad_rows: input should be 'drop' or 'fail'"),
+        ("task.max_digits=0", "task.max_digits: input should be greater than or equal to 1"),
+        ("model.builtin.num_heads=3", "num_heads (3) must divide hidden_size (32)"),
+        ("stages.data.sources.sft=[/nonexistent/rows.jsonl]", "stages.data.sources.sft: file not found: /nonexistent/rows.jsonl"),
+        ("model.source=/nonexistent/ckpt", "model.source: model directory not found: /nonexistent/ckpt"),
+        ("stages.data.max_len", "expected key.path=value"),
+    ],
+)
+def test_user_mistakes_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, override)
+    assert expected in str(exc.value)
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_dir: x\nstages:\n  data: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML at line \d+"):
+        load_config(bad)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_user_error_exits_2_without_traceback_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "stages.data.max_len=-5")
+    assert result.returncode == 2
+    assert "stages.data.max_len" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not run_dir.exists()
+
+
+def test_cli_unknown_stage_exits_2(tmp_path):
+    result = run_cli("plan", str(SMOKE), f"run_dir={tmp_path}", "--only", "sftt")
+    assert result.returncode == 2
+    assert "unknown stage 'sftt'" in result.stderr and "model, data" in result.stderr
+
+
+def test_validate_and_plan_import_no_heavy_packages(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pipeline.__main__ import main; "
+        f"main(['validate', {str(SMOKE)!r}, 'run_dir={tmp_path}']); "
+        f"main(['plan', {str(SMOKE)!r}, 'run_dir={tmp_path}']); "
+        "print('HEAVY', sorted(m for m in ('ray', 'vllm', 'deepspeed', 'torch', 'mlflow', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    assert "HEAVY []" in out, out
+    assert "never run" in out  # the plan explains each miss
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_all_sections_reject_unknown_keys():
+    def walk(model: type[BaseModel]):
+        assert model.model_config.get("extra") == "forbid", model
+        for f in model.model_fields.values():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                walk(f.annotation)
+
+    walk(PipelineConfig)

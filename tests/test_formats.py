@@ -1,0 +1,43 @@
+"""Raw row validation and locating the first bad row of a file."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stages.common.formats import check_row, locate_problem
+
+
+def test_sft_formats():
+    good, err = check_row("sft", {"prompt": "hi", "response": "hello"})
+    assert err == "" and good["messages"][1] == {"role": "assistant", "content": "hello"}
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert check_row("sft", {"messages": json.dumps(msgs)})[0]["messages"] == msgs  # CSV carries JSON text
+    assert "no non-empty assistant" in check_row("sft", {"messages": [{"role": "user", "content": "q"}]})[1]
+    assert "role must be one of" in check_row("sft", {"messages": [{"role": "bot", "content": "q"}]})[1]
+    assert "needs 'messages'" in check_row("sft", {"text": "x"})[1]
+
+
+def test_preference_and_prompt_formats():
+    assert check_row("preference", {"prompt": "p", "chosen": "a", "rejected": "b"})[1] == ""
+    assert "identical" in check_row("preference", {"prompt": "p", "chosen": "a", "rejected": "a"})[1]
+    assert "missing field 'rejected'" in check_row("preference", {"prompt": "p", "chosen": "a"})[1]
+    good, err = check_row("prompts", {"prompt": "p", "answer": 42})
+    assert err == "" and good["answer"] == "42"
+    assert "field 'prompt' is empty" in check_row("prompts", {"prompt": "  "})[1]
+
+
+def test_locate_problem_jsonl_line(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n{"prompt": "e", "resp\n')
+    assert locate_problem(f, "sft").startswith(f"{f}: line 3: invalid JSON")
+
+
+def test_locate_problem_csv_and_parquet(tmp_path):
+    c = tmp_path / "rows.csv"
+    c.write_text("prompt,chosen,rejected\np,a,b\nq,a,a\n")
+    assert locate_problem(c, "preference") == f"{c}: line 3: 'chosen' and 'rejected' are identical"
+    p = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": ["x", ""], "answer": ["1", "2"]}), p)
+    assert locate_problem(p, "prompts") == f"{p}: row 2: field 'prompt' is empty"
+    assert locate_problem(c, "sft") is not None  # wrong kind: no 'messages'/'response'

@@ -1,0 +1,173 @@
+"""The cached runner on toy stages: what hits, what misses and why, partial artifacts, locking."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+from rich.console import Console
+
+from conftest import SMOKE, run_cli, smoke_config
+from pipeline import artifacts
+from pipeline.errors import UserError
+from pipeline.registry import StageSpec
+from pipeline.runner import RunLock, build_plan, run_pipeline
+
+TOY_A = '''
+from pathlib import Path
+def raw_inputs(pcfg):
+    return list(pcfg.stages.data.sources.sft)
+def run(cfg, ctx):
+    with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
+        f.write("a\\n")
+    (ctx.out_dir / "partial.txt").write_text("half")
+    if (ctx.pipeline.run_dir / "FAIL_A").exists():
+        raise RuntimeError("boom")
+    (ctx.out_dir / "a.txt").write_text(str(cfg.max_len))
+    ctx.log_metrics({"a_metric": 1.5})
+    return {"a_out": ctx.out_dir / "a.txt"}
+'''
+TOY_B = '''
+def run(cfg, ctx):
+    with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
+        f.write("b\\n")
+    (ctx.out_dir / "b.txt").write_text(ctx.inputs["a_out"].read_text() + "+b")
+    return {"b_out": ctx.out_dir / "b.txt"}
+'''
+TOY_C = '''
+def run(cfg, ctx):
+    with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
+        f.write("c\\n")
+    (ctx.out_dir / "c.txt").write_text("c")
+    return {"c_out": ctx.out_dir / "c.txt"}
+'''
+REGISTRY = (
+    StageSpec("toy_a", "toy_a", "stages.data", ("seed",), (), ("a_out",), "a"),
+    StageSpec("toy_b", "toy_b", "stages.data.generate", (), ("a_out",), ("b_out",), "b"),
+    StageSpec("toy_c", "toy_c", "model", (), (), ("c_out",), "c"),
+)
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch, tracking_uri):
+    code = tmp_path / "code"
+    code.mkdir()
+    for name, src in (("toy_a", TOY_A), ("toy_b", TOY_B), ("toy_c", TOY_C)):
+        (code / f"{name}.py").write_text(textwrap.dedent(src))
+    monkeypatch.syspath_prepend(str(code))
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"prompt": "a", "response": "b"}\n')
+    run_dir = tmp_path / "run"
+
+    class Toy:
+        def cfg(self, *overrides):
+            return smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", f"stages.data.sources.sft=[{raw}]",
+                                *overrides)
+
+        def plan(self, *overrides, **kw):
+            return {p.spec.name: p for p in build_plan(self.cfg(*overrides), registry=REGISTRY, **kw)}
+
+        def run(self, *overrides, **kw):
+            cfg = self.cfg(*overrides)
+            log = run_dir / "executions.log"
+            before = log.read_text().split() if log.exists() else []
+            run_pipeline(cfg, build_plan(cfg, registry=REGISTRY, **kw), SMOKE, Console(quiet=True))
+            return sorted(log.read_text().split()[len(before):])
+
+    yield Toy(), code, raw, run_dir
+    for name in ("toy_a", "toy_b", "toy_c"):
+        sys.modules.pop(name, None)
+
+
+def test_rerun_with_nothing_changed_recomputes_nothing(toy):
+    t, *_ = toy
+    assert t.run() == ["a", "b", "c"]
+    assert t.run() == []
+    assert {p.status for p in t.plan().values()} == {"hit"}
+
+
+def test_config_change_reruns_the_stage_and_downstream_only(toy):
+    t, *_ = toy
+    t.run()
+    plan = t.plan("stages.data.max_len=99")
+    assert plan["toy_a"].status == "miss" and "config changed: stages.data.max_len" in plan["toy_a"].reason
+    assert plan["toy_b"].status == "miss" and "upstream changed: a_out" in plan["toy_b"].reason
+    assert plan["toy_c"].status == "hit"
+    assert t.run("stages.data.max_len=99") == ["a", "b"]
+    assert (t.cfg().run_dir / "artifacts").exists()
+
+
+def test_code_change_reruns_the_stage_and_downstream_only(toy):
+    t, code, _, _ = toy
+    t.run()
+    (code / "toy_a.py").write_text((code / "toy_a.py").read_text() + "\n# edited\n")
+    plan = t.plan()
+    assert plan["toy_a"].status == "miss" and "code changed" in plan["toy_a"].reason
+    assert [plan[n].status for n in ("toy_b", "toy_c")] == ["miss", "hit"]
+    assert t.run() == ["a", "b"]
+
+
+def test_raw_data_change_reruns_the_stage_and_downstream_only(toy):
+    t, _, raw, _ = toy
+    t.run()
+    raw.write_text('{"prompt": "a", "response": "changed"}\n')
+    plan = t.plan()
+    assert "raw inputs changed" in plan["toy_a"].reason
+    assert t.run() == ["a", "b"]
+
+
+def test_a_crashed_stage_leaves_no_artifact_and_reruns(toy):
+    t, _, _, run_dir = toy
+    (run_dir).mkdir(parents=True, exist_ok=True)
+    (run_dir / "FAIL_A").write_text("")
+    with pytest.raises(RuntimeError, match="boom"):
+        t.run()
+    plan = t.plan()
+    out = artifacts.artifact_dir(run_dir, "toy_a", plan["toy_a"].key)
+    assert (out / "partial.txt").exists() and not (out / "manifest.json").exists()
+    assert plan["toy_a"].status == "miss" and "did not finish" in plan["toy_a"].reason
+    (run_dir / "FAIL_A").unlink()
+    assert t.run() == ["a", "b", "c"]
+    assert (out / "manifest.json").exists() and (out / "a.txt").exists()
+
+
+def test_corrupt_manifest_is_not_a_hit(toy):
+    t, _, _, run_dir = toy
+    t.run()
+    key = t.plan()["toy_c"].key
+    (artifacts.artifact_dir(run_dir, "toy_c", key) / "manifest.json").write_text('{"key": "trunc')
+    assert t.plan()["toy_c"].status == "miss"
+
+
+def test_selection_only_from_to_and_force(toy):
+    t, *_ = toy
+    assert {n for n, p in t.plan(only=["toy_c"]).items() if p.status != "skip"} == {"toy_c"}
+    assert {n for n, p in t.plan(to="toy_a").items() if p.status != "skip"} == {"toy_a"}
+    t.run()
+    assert {n for n, p in t.plan(from_="toy_a").items() if p.status != "skip"} == {"toy_a", "toy_b"}
+    assert t.run(only=["toy_b"], force=["toy_b"]) == ["b"]
+    assert t.run(force=["all"]) == ["a", "b", "c"]
+
+
+def test_only_a_stage_whose_inputs_are_missing_names_the_stage_to_run_first(toy):
+    t, *_ = toy
+    with pytest.raises(UserError, match="needs the output of stage 'toy_a'.*--from toy_a"):
+        t.plan(only=["toy_b"])
+
+
+def test_metrics_of_a_cached_stage_are_kept_in_its_manifest(toy):
+    t, _, _, run_dir = toy
+    t.run()
+    key = t.plan()["toy_a"].key
+    manifest = artifacts.read_manifest(run_dir, "toy_a", key)
+    assert manifest["metrics"] == {"a_metric": 1.5}
+    assert manifest["outputs"] == {"a_out": "a.txt"}
+
+
+def test_second_run_on_a_busy_run_dir_refuses(tmp_path):
+    with RunLock(tmp_path / "run"):
+        result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 2
+    assert "another pipeline run" in result.stderr and str(tmp_path / "run") in result.stderr
+    assert not (tmp_path / "run" / "artifacts").exists()

@@ -1,0 +1,56 @@
+"""The arithmetic task: determinism, correct answers, wrong rejected answers, the verifier."""
+
+from stages.common import tasks
+from stages.common.tasks import TaskConfig, extract_answer, verify
+
+CFG = TaskConfig(min_digits=1, max_digits=3, ops=["+", "-", "*"])
+
+
+def _eval(expr: str) -> int:
+    a, op, b = expr.split()
+    return {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+
+
+def test_generators_are_deterministic_under_the_seed():
+    assert tasks.sft_rows(50, 3, CFG) == tasks.sft_rows(50, 3, CFG)
+    assert tasks.sft_rows(50, 3, CFG) != tasks.sft_rows(50, 4, CFG)
+    assert tasks.preference_rows(20, 1, CFG) == tasks.preference_rows(20, 1, CFG)
+
+
+def test_sft_answers_are_correct():
+    for row in tasks.sft_rows(300, 0, CFG):
+        reply = row["messages"][1]["content"]
+        expr, value = reply.split(" = ")
+        assert _eval(expr) == int(value)
+
+
+def test_preference_pairs_prefer_the_correct_answer():
+    for row in tasks.preference_rows(300, 0, CFG):
+        expr = row["chosen"].split(" = ")[0]
+        truth = str(_eval(expr))
+        assert verify(row["chosen"], truth)
+        assert not verify(row["rejected"], truth)
+        assert row["rejected"].split(" = ")[0] == expr  # same working, wrong result
+
+
+def test_prompt_answers_match_the_question():
+    for row in tasks.prompt_rows(200, 0, CFG):
+        numbers = [int(t.strip("?.")) for t in row["prompt"].split() if t.strip("?.").isdigit()]
+        op = next(t for t in row["prompt"].split() if t in "+-*")
+        assert _eval(f"{numbers[0]} {op} {numbers[1]}") == int(row["answer"])
+
+
+def test_digit_bounds_are_respected():
+    cfg = TaskConfig(min_digits=3, max_digits=3, ops=["+"])
+    for row in tasks.prompt_rows(100, 0, cfg):
+        a, b = [int(t.strip("?.")) for t in row["prompt"].split() if t.strip("?.").isdigit()]
+        assert 100 <= a <= 999 and 100 <= b <= 999
+
+
+def test_verifier():
+    assert extract_answer("12 + 30 = 42") == 42
+    assert extract_answer("3 - 10 = -7") == -7
+    assert extract_answer("no number") is None
+    assert verify("so the answer is 1,024", "1024")
+    assert not verify("12 + 30 = 43", "42")
+    assert not verify("", "0")
