@@ -41,3 +41,10 @@ def test_locate_problem_csv_and_parquet(tmp_path):
     pq.write_table(pa.table({"prompt": ["x", ""], "answer": ["1", "2"]}), p)
     assert locate_problem(p, "prompts") == f"{p}: row 2: field 'prompt' is empty"
     assert locate_problem(c, "sft") is not None  # wrong kind: no 'messages'/'response'
+
+
+def test_absent_cells_of_mixed_schema_files_count_as_missing():
+    # Ray's JSON reader fills a row's absent `messages` with NaN when the column falls back to objects.
+    good, err = check_row("sft", {"messages": float("nan"), "prompt": "q", "response": "a"})
+    assert err == "" and good["messages"][0]["content"] == "q"
+    assert "needs 'messages'" in check_row("sft", {"messages": float("nan"), "prompt": None})[1]

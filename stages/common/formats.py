@@ -25,9 +25,14 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 ROLES = ("system", "user", "assistant")
 
 
+def _missing(value: Any) -> bool:
+    """None, or NaN: readers fill absent cells of mixed-schema files with either."""
+    return value is None or (isinstance(value, float) and value != value)
+
+
 def _text(row: dict, key: str, required: bool = True) -> str:
     value = row.get(key)
-    if value is None or (isinstance(value, float) and value != value):  # None or NaN (pandas)
+    if _missing(value):
         if required:
             raise ValueError(f"missing field '{key}'")
         return ""
@@ -42,8 +47,8 @@ def _text(row: dict, key: str, required: bool = True) -> str:
 
 def _messages(row: dict) -> list[dict]:
     raw = row.get("messages")
-    if raw is None:
-        if "prompt" in row or "response" in row:
+    if _missing(raw):
+        if not _missing(row.get("prompt")) or not _missing(row.get("response")):
             return [{"role": "user", "content": _text(row, "prompt")},
                     {"role": "assistant", "content": _text(row, "response")}]
         raise ValueError("needs 'messages' or 'prompt' + 'response'")

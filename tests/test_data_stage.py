@@ -1,0 +1,123 @@
+"""The data stage on Ray Data, end to end on smoke-sized data (real Ray, real tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from rich.console import Console
+
+from conftest import SMOKE, smoke_config
+from pipeline import artifacts
+from pipeline.errors import DataError
+from pipeline.runner import build_plan, run_pipeline
+from stages.common import tasks
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_runs")  # shared: the model stage builds once, then hits
+
+
+def run_data(run_dir, tracking_uri, *overrides) -> tuple[dict, dict]:
+    """Run model + data; return (data outputs, data metrics)."""
+    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
+    summary = run_pipeline(cfg, build_plan(cfg), SMOKE, Console(quiet=True))
+    manifest = summary["stages"]["data"]
+    out = artifacts.artifact_dir(cfg.run_dir, "data", manifest["key"])
+    return artifacts.output_paths(manifest, out), manifest["metrics"]
+
+
+def read(path) -> list[dict]:
+    files = sorted(path.glob("*.parquet"))
+    return pq.ParquetDataset(files).read().to_pylist() if files else []
+
+
+def test_generated_task_data(ray_local, run_dir, tracking_uri):
+    outputs, m = run_data(run_dir, tracking_uri)
+    cfg = smoke_config(run_dir)
+    from stages.common.models import load_tokenizer
+
+    tok = load_tokenizer(json.loads((outputs["sft_data"] / "meta.json").read_text())["tokenizer"])
+    replies = {r["messages"][0]["content"]: r["messages"][1]["content"]
+               for r in tasks.sft_rows(cfg.stages.data.generate.sft, cfg.seed, cfg.task)}
+
+    # Only assistant replies are trained: the masked tokens decode to exactly the reply.
+    sft = read(outputs["sft_data"] / "train") + read(outputs["sft_data"] / "eval")
+    assert len(sft) == m["sft_train_rows"] + m["sft_eval_rows"] > 100
+    for row in sft:
+        trained = [t for t, keep in zip(row["input_ids"], row["loss_mask"]) if keep]
+        assert tok.decode(trained, skip_special_tokens=True) == replies[row["prompt"]]
+        assert len(row["input_ids"]) <= cfg.stages.data.max_len
+
+    # Train and eval never share a prompt, within or across datasets.
+    train, evals = set(), set()
+    for name in ("sft_data", "preference_data", "prompt_data"):
+        train |= {r["prompt"] for r in read(outputs[name] / "train")}
+        evals |= {r["prompt"] for r in read(outputs[name] / "eval")}
+    assert evals and train and not (train & evals)
+
+    # Row accounting: every generated row is written, a duplicate or dropped, and counted.
+    assert m["sft_train_rows"] + m["sft_eval_rows"] + m["sft_rows_duplicate"] + m["sft_rows_too_long"] == 200
+    assert m["sft_rows_duplicate"] == 200 - len({json.dumps(r) for r in tasks.sft_rows(200, cfg.seed, cfg.task)})
+    pref = read(outputs["preference_data"] / "train")
+    assert all(tasks.verify(r["chosen"], str(tasks.extract_answer(r["chosen"]))) for r in pref)
+    assert all(r["chosen_input_ids"] != r["rejected_input_ids"] for r in pref)
+    prompts = read(outputs["prompt_data"] / "train")
+    assert prompts and all(tok.decode(r["prompt_ids"]).endswith("<|im_start|>assistant\n") for r in prompts)
+    assert m["sft_train_tokens"] == sum(len(r["input_ids"]) for r in read(outputs["sft_data"] / "train"))
+
+
+def _write_user_files(tmp_path):
+    sft = tmp_path / "sft.jsonl"
+    good = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]}
+    sft.write_text("\n".join(json.dumps(r) for r in [
+        good,
+        {"prompt": "What is 1 + 1?", "response": "1 + 1 = 2"},
+        good,  # duplicate
+        {"messages": [{"role": "user", "content": "no reply"}]},  # bad: no assistant turn
+        {"prompt": "", "response": "x"},  # bad: empty prompt
+    ]) + "\n")
+    pref = tmp_path / "pref.csv"
+    pref.write_text("prompt,chosen,rejected\nWhat is 2 + 2?,2 + 2 = 4,2 + 2 = 5\nWhat is 3 + 3?,same,same\n")
+    prompts = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 4 + 4?", "What is 5 + 5?"], "answer": ["8", "10"]}), prompts)
+    return sft, pref, prompts
+
+
+def test_user_files_with_bad_rows_dropped_and_counted(ray_local, run_dir, tracking_uri, tmp_path):
+    sft, pref, prompts = _write_user_files(tmp_path)
+    outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]",
+                          f"stages.data.sources.preference=[{pref}]", f"stages.data.sources.prompts=[{prompts}]",
+                          "stages.data.eval_fraction=0.01")
+    assert (m["sft_rows_bad"], m["sft_rows_duplicate"], m["sft_train_rows"] + m["sft_eval_rows"]) == (2, 1, 2)
+    assert (m["preference_rows_bad"], m["preference_train_rows"] + m["preference_eval_rows"]) == (1, 1)
+    assert m["prompts_rows_bad"] == 0 and m["prompts_train_rows"] + m["prompts_eval_rows"] == 2
+    rows = read(outputs["prompt_data"] / "train") + read(outputs["prompt_data"] / "eval")
+    assert sorted(r["answer"] for r in rows) == ["10", "8"]
+
+
+def test_fail_mode_names_the_file_and_line(ray_local, run_dir, tracking_uri, tmp_path):
+    sft, _, _ = _write_user_files(tmp_path)
+    with pytest.raises(DataError, match=rf"{sft}: line 4: no non-empty assistant message.*2 invalid rows"):
+        run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]", "stages.data.on_bad_rows=fail")
+
+
+def test_malformed_file_names_the_file_and_line(ray_local, run_dir, tracking_uri, tmp_path):
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n{"prompt": oops}\n')
+    with pytest.raises(DataError, match=rf"{bad}: line 3: invalid JSON"):
+        run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{bad}]")
+
+
+def test_packing_keeps_every_trained_token(ray_local, run_dir, tracking_uri):
+    plain, m_plain = run_data(run_dir, tracking_uri)
+    packed, m_packed = run_data(run_dir, tracking_uri, "stages.data.pack=true")
+    rows_plain, rows_packed = read(plain["sft_data"] / "train"), read(packed["sft_data"] / "train")
+    assert len(rows_packed) < len(rows_plain)
+    assert sum(map(sum, (r["loss_mask"] for r in rows_packed))) == sum(map(sum, (r["loss_mask"] for r in rows_plain)))
+    assert m_packed["sft_train_tokens"] == m_plain["sft_train_tokens"]
+    assert all(len(r["input_ids"]) == len(r["position_ids"]) <= 64 for r in rows_packed)
+    assert sum(p == 0 for r in rows_packed for p in r["position_ids"]) == len(rows_plain)
