@@ -1,0 +1,97 @@
+"""The pipeline as a user runs it: `python -m pipeline run configs/smoke.yaml` in a fresh process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, SMOKE, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _runs(run_dir):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("posttrain")
+    return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def test_run_then_cached_rerun_without_ray(tmp_path):
+    run_dir = tmp_path / "run"
+    first = run_cli("run", str(SMOKE), f"run_dir={run_dir}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "model miss - never run" in first.stdout and "data miss - never run" in first.stdout
+    assert "Ray started" in first.stdout
+
+    # Everything cached: no stage runs and Ray is never contacted (an unreachable RAY_ADDRESS
+    # would fail the run if anything tried).
+    second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "model hit" in second.stdout and "data hit" in second.stdout
+    assert "0 stages run, 2 cached; Ray not started" in second.stdout
+
+    # Lineage: two parent runs, each with a nested run per stage carrying config, tags and metrics.
+    client, runs = _runs(run_dir)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in runs)
+    children = {(r.data.tags["mlflow.parentRunId"], r.info.run_name): r for r in runs if r not in parents}
+    data_miss = children[(parents[0].info.run_id, "data")]
+    data_hit = children[(parents[1].info.run_id, "data")]
+    assert (data_miss.data.tags["cache"], data_hit.data.tags["cache"]) == ("miss", "hit")
+    assert data_miss.data.tags["cache_key"] == data_hit.data.tags["cache_key"]
+    assert data_miss.data.params["stages.data.max_len"] == "64"
+    assert data_miss.data.metrics["sft_train_rows"] == data_hit.data.metrics["sft_train_rows"] > 0
+    assert "code_version" in data_miss.data.tags
+    assert {a.path for a in client.list_artifacts(data_hit.info.run_id)} == {"manifest.json"}
+    assert "resolved_config.json" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+
+    # A config change reruns data only, and plan says why before anything runs.
+    plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}", "stages.data.max_len=48")
+    assert "config changed: stages.data.max_len" in plan.stdout
+    assert plan.stdout.count("hit") == 1
+
+
+def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path):
+    result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "--only", "data")
+    assert result.returncode == 2
+    assert "needs the output of stage 'model'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_killed_run_leaves_no_artifact_and_the_rerun_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        deadline = time.time() + 300
+        while "data: reading and validating" not in seen and time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+        assert "data: reading and validating" in seen, seen
+        os.kill(proc.pid, signal.SIGTERM)  # `kill PID`
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert "interrupted" in rest
+    assert not list((run_dir / "artifacts" / "data").glob("*/manifest.json"))
+
+    plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}")
+    assert "last attempt did not finish" in plan.stdout
+    rerun = run_cli("run", str(SMOKE), f"run_dir={run_dir}")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "model hit" in rerun.stdout and "data miss" in rerun.stdout
+    assert len(list((run_dir / "artifacts" / "data").glob("*/manifest.json"))) == 1
+    _, runs = _runs(run_dir)
+    assert sorted(r.info.status for r in runs if r.info.run_name == "data") == ["FINISHED", "KILLED"]
