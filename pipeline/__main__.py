@@ -20,6 +20,10 @@ from pathlib import Path
 from pipeline.errors import UserError
 
 
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description="Declarative LLM post-training pipeline on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -33,10 +37,13 @@ def _parser() -> argparse.ArgumentParser:
     common("validate", "validate a config and print the resolved result")
     for name, help_ in (("plan", "show stages in order with cache hit/miss and why"), ("run", "run the pipeline")):
         sp = common(name, help_)
-        sp.add_argument("--only", nargs="+", default=[], metavar="STAGE", help="run just these stages")
+        # One value per flag (repeat it, or use commas) so overrides after it stay overrides.
+        sp.add_argument("--only", action="extend", type=_names, default=[], metavar="STAGE[,STAGE]",
+                        help="run just these stages (repeatable, comma-separated)")
         sp.add_argument("--from", dest="from_", metavar="STAGE", help="run this stage and everything downstream")
         sp.add_argument("--to", metavar="STAGE", help="run everything up to and including this stage")
-        sp.add_argument("--force", nargs="+", default=[], metavar="STAGE", help="recompute these stages ('all' for every one)")
+        sp.add_argument("--force", action="extend", type=_names, default=[], metavar="STAGE[,STAGE]",
+                        help="recompute these stages even if cached ('all' for every one)")
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
     return p
@@ -54,7 +61,13 @@ def _print_plan(plan, console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come after flags (`--only model key=value`); argparse leaves those unknown.
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *extra]
     from rich.console import Console
 
     console = Console(highlight=False)

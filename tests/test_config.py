@@ -44,7 +44,7 @@ def test_override_sets_nested_values(tmp_path):
         ("stages.data.max_len=-1", "stages.data.max_len: input should be greater than or equal to 8, got -1"),
         ("stages.data.on_bad_rows=skip", "stages.data.on_bad_rows: input should be 'drop' or 'fail'"),
         ("task.max_digits=0", "task.max_digits: input should be greater than or equal to 1"),
-        ("model.builtin.num_heads=3", "num_heads (3) must divide hidden_size (32)"),
+        ("model.builtin.num_heads=3", "num_heads (3) must divide hidden_size (64)"),
         ("stages.data.sources.sft=[/nonexistent/rows.jsonl]", "stages.data.sources.sft: file not found: /nonexistent/rows.jsonl"),
         ("model.source=/nonexistent/ckpt", "model.source: model directory not found: /nonexistent/ckpt"),
         ("stages.data.max_len", "expected key.path=value"),
@@ -107,3 +107,11 @@ def test_all_sections_reject_unknown_keys():
                 walk(f.annotation)
 
     walk(PipelineConfig)
+
+
+def test_flags_and_overrides_mix_in_any_order(tmp_path):
+    result = run_cli("plan", str(SMOKE), "--only", "model,data", f"run_dir={tmp_path}", "stages.data.max_len=70")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("miss") == 2
+    bad = run_cli("plan", str(SMOKE), "--only", "model", "stray")
+    assert bad.returncode == 2 and "unrecognized arguments: stray" in bad.stderr
