@@ -121,3 +121,23 @@ def test_packing_keeps_every_trained_token(ray_local, run_dir, tracking_uri):
     assert m_packed["sft_train_tokens"] == m_plain["sft_train_tokens"]
     assert all(len(r["input_ids"]) == len(r["position_ids"]) <= 64 for r in rows_packed)
     assert sum(p == 0 for r in rows_packed for p in r["position_ids"]) == len(rows_plain)
+
+
+def test_a_local_checkpoint_replaces_the_builtin_model(ray_local, tmp_path, tracking_uri):
+    """`model.source: /path` goes through the same from_pretrained path; its files are in the key."""
+    from stages.common import models
+
+    cfg = smoke_config(tmp_path)
+    ckpt = models.build_base_model(tmp_path / "my-checkpoint", cfg.model.builtin,
+                                   tasks.corpus(cfg.task, 7) + ["a user corpus"], seed=7)
+    outputs, m = run_data(tmp_path / "run", tracking_uri, f"model.source={ckpt}")
+    meta = json.loads((outputs["sft_data"] / "meta.json").read_text())
+    assert meta["tokenizer"] == str(ckpt)  # used in place, not copied
+    assert m["sft_train_rows"] > 0
+
+    cfg = smoke_config(tmp_path / "run", f"model.source={ckpt}", f"mlflow.tracking_uri={tracking_uri}")
+    assert {p.spec.name: p.status for p in build_plan(cfg)} == {"model": "hit", "data": "hit"}
+    (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace("}", ', "note": 1}', 1))
+    plan = {p.spec.name: p for p in build_plan(cfg)}
+    assert plan["model"].status == "miss" and "raw inputs changed" in plan["model"].reason
+    assert plan["data"].status == "miss"
