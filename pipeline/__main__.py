@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*args.overrides, *extra]
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         from pipeline.config import load_config

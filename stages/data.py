@@ -308,12 +308,12 @@ def _checked(cfg: DataConfig, pcfg):
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     try:
         return ds.materialize()
-    except Exception as exc:  # Ray wraps reader errors; locate the bad file and line ourselves
+    except Exception:  # Ray wraps reader errors; locate the bad file and line ourselves
         for kind, src in sources:
             problem = locate_problem(src, kind) if isinstance(src, Path) else None
             if problem:
                 raise DataError(f"{problem} (fix the file, or remove it from stages.data.sources.{kind})") from None
-        raise DataError(f"could not read the data sources: {exc}") from exc
+        raise  # not a problem in the user's files: a real failure, shown with its traceback
 
 
 def _bad_rows(checked, on_bad_rows: str) -> dict[str, int]:
