@@ -21,7 +21,10 @@ from pipeline.errors import UserError
 
 
 def _names(text: str) -> list[str]:
-    return [n.strip() for n in text.split(",") if n.strip()]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a stage name, e.g. --only data")
+    return names
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,23 +86,30 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[green]{args.config}: valid[/]")
             return 0
         if args.command == "ui":
+            if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
+                console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
+                return 0
             cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
                    "--host", "127.0.0.1", "--port", str(args.port)]
             console.print(f"MLflow UI for {cfg.tracking_uri} at http://127.0.0.1:{args.port} (Ctrl-C stops it)")
-            return subprocess.call(cmd)
+            try:
+                return subprocess.call(cmd)
+            except KeyboardInterrupt:
+                return 0
 
-        from pipeline import artifacts
         from pipeline.runner import build_plan, run_pipeline
 
-        fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
-        plan = build_plan(cfg, args.only, args.from_, args.to, args.force, fps=fps)
+        selection = {"only": args.only, "from_": args.from_, "to": args.to, "force": args.force}
+        plan = build_plan(cfg, **selection)  # reads only: user errors surface before anything is written
         if args.command == "plan":
             _print_plan(plan, console)
             return 0
-        summary = run_pipeline(cfg, plan, args.config, console)
-        fps.save()
-        ran = sum(p.status == "miss" for p in plan)
-        cached = sum(p.status == "hit" for p in plan)
+        from pipeline.tracking import check_reachable
+
+        check_reachable(cfg.tracking_uri)
+        summary = run_pipeline(cfg, args.config, console, **selection)
+        ran = sum(p.status == "miss" for p in summary["plan"])
+        cached = sum(p.status == "hit" for p in summary["plan"])
         console.print(f"[bold green]done[/]: {ran} stages run, {cached} cached; Ray "
                       f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
         return 0

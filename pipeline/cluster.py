@@ -19,7 +19,13 @@ def ensure_ray(ray_cfg) -> bool:
         return False
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            from pipeline.errors import UserError
+
+            raise UserError(f"ray.address: cannot connect to the Ray cluster at {address!r} ({exc}); start it with "
+                            "`ray start --head`, fix ray.address / RAY_ADDRESS, or leave both empty for a local Ray") from None
     else:
         gib = ray_cfg.object_store_memory_gb
         ray.init(

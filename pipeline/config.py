@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 from pipeline.schema import Section
@@ -84,6 +84,14 @@ class PipelineConfig(Section):
     def _absolute(cls, v: Path) -> Path:
         return v.expanduser().absolute()
 
+    @model_validator(mode="after")
+    def _fits_the_model(self) -> "PipelineConfig":
+        limit = self.model.builtin.max_position_embeddings
+        if self.model.is_builtin and self.stages.data.max_len > limit:
+            raise ValueError(f"stages.data.max_len ({self.stages.data.max_len}) exceeds "
+                             f"model.builtin.max_position_embeddings ({limit}); lower one or raise the other")
+        return self
+
     @property
     def tracking_uri(self) -> str:
         return self.mlflow.tracking_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
@@ -120,7 +128,9 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path} (give the path to a YAML file, e.g. configs/full.yaml)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file; save the YAML as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -162,7 +172,8 @@ def format_validation_error(exc: ValidationError, root: type[Section] = Pipeline
         msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         shown = "" if err["type"] in ("missing",) or isinstance(got, dict) else f", got {got!r}"
-        lines.append(f"{key}: {msg[0].lower() + msg[1:]}{shown}")
+        text = f"{msg[0].lower() + msg[1:]}{shown}"
+        lines.append(f"{key}: {text}" if loc else msg)
     return "\n".join(lines)
 
 

@@ -102,6 +102,7 @@ def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, st
         "stage": spec.name,
         "config": {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)},
         "code": artifacts.code_fingerprint(spec.module),
+        "libraries": artifacts.library_versions(),
         "upstream": upstream_keys,
         "raw_inputs": fps.paths([Path(p) for p in raw]),
     }
@@ -125,6 +126,8 @@ def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
         reasons.append("config changed: " + _diff(flatten(old.get("config", {})), flatten(comps["config"])))
     if old.get("code") != comps["code"]:
         reasons.append("code changed: " + _diff(old.get("code", {}), comps["code"]))
+    if old.get("libraries") != comps["libraries"]:
+        reasons.append("libraries changed: " + _diff(old.get("libraries", {}), comps["libraries"]))
     if old.get("upstream") != comps["upstream"]:
         reasons.append("upstream changed: " + _diff(old.get("upstream", {}), comps["upstream"]))
     if old.get("raw_inputs") != comps["raw_inputs"]:
@@ -259,7 +262,8 @@ def _sigterm_as_interrupt(*_: Any) -> None:
 
 def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
     """Execute one missed stage into its artifact dir and write its manifest last."""
-    if ctx.out_dir.exists():  # partial output of an interrupted attempt: never reused
+    if ctx.out_dir.exists():  # a forced rerun, or partial output of an interrupted attempt
+        (ctx.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)  # first: a half-deleted dir is never a hit
         shutil.rmtree(ctx.out_dir)
     ctx.out_dir.mkdir(parents=True)
     artifacts.write_json_atomic(artifacts.attempt_file(cfg.run_dir, p.spec.name),
@@ -281,16 +285,23 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
     return manifest
 
 
-def run_pipeline(cfg: PipelineConfig, plan: list[PlannedStage], config_path: Path, console) -> dict[str, Any]:
-    """Run the plan under the run-dir lock; returns {stage: manifest} and whether Ray was started."""
+def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
+                 registry: tuple[StageSpec, ...] = STAGES) -> dict[str, Any]:
+    """Plan and run under the run-dir lock (so no other run changes the cache between the two).
+
+    Returns {"plan": [...], "stages": {stage: manifest}, "started_ray": bool}.
+    """
     from pipeline.tracking import Tracker
 
-    active = [p for p in plan if p.status != "skip"]
-    by_name = {p.spec.name: p for p in plan}
-    producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
-    summary: dict[str, Any] = {"stages": {}, "started_ray": False}
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
+        fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+        plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry)
+        fps.save()
+        active = [p for p in plan if p.status != "skip"]
+        by_name = {p.spec.name: p for p in plan}
+        producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
+        summary: dict[str, Any] = {"plan": plan, "stages": {}, "started_ray": False}
         version = git_version()
         tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name=config_path.stem,
                           tags={"config": str(config_path), "code_version": version, "run_dir": str(cfg.run_dir)})

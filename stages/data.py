@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import DataError
 from pipeline.schema import Section
@@ -72,6 +72,13 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="System message prepended to conversations that have none.")
     batch_size: int = Field(256, ge=1, description="Rows per Ray Data batch for validation and tokenization.")
     tokenizer_actors: int = Field(2, ge=1, description="Size of the tokenizer actor pool.")
+
+    @model_validator(mode="after")
+    def _some_data(self) -> "DataConfig":
+        kinds = [k for k in KINDS if getattr(self.sources, k) or getattr(self.generate, k)]
+        if not kinds:
+            raise ValueError("no data: give stages.data.sources files or a stages.data.generate count above 0")
+        return self
 
 
 # --------------------------------------------------------------------------- pure row functions
@@ -303,14 +310,12 @@ def _checked(cfg: DataConfig, pcfg):
     """Read and validate all sources into one materialised dataset; name the file on read errors."""
     sources = _sources(cfg, pcfg)
     parts = [_read(kind, src, cfg, pcfg.seed) for kind, src in sources]
-    if not parts:
-        raise DataError("no data: every kind has no source files and stages.data.generate counts are 0")
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     try:
         return ds.materialize()
     except Exception:  # Ray wraps reader errors; locate the bad file and line ourselves
         for kind, src in sources:
-            problem = locate_problem(src, kind) if isinstance(src, Path) else None
+            problem = locate_problem(src, kind, parse_only=True) if isinstance(src, Path) else None
             if problem:
                 raise DataError(f"{problem} (fix the file, or remove it from stages.data.sources.{kind})") from None
         raise  # not a problem in the user's files: a real failure, shown with its traceback
@@ -350,14 +355,30 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path) -> tuple[
     return len(n_tokens), sum(n_tokens)
 
 
+def _check_not_empty(kind: str, m: dict[str, int], had_input: bool) -> None:
+    """A kind that had input must yield both splits: an empty split is not a usable artifact."""
+    if not had_input:
+        return
+    for split, fix in (("train", "stages.data.on_bad_rows / stages.data.max_len, or the data itself"),
+                       ("eval", "raise stages.data.eval_fraction or bring more rows")):
+        if m[f"{kind}_{split}_rows"] == 0:
+            raise DataError(
+                f"no {kind} rows left in the {split} split ({m[f'{kind}_rows_bad']} invalid, "
+                f"{m[f'{kind}_rows_duplicate']} duplicate, {m[f'{kind}_rows_too_long']} too long); check {fix}"
+            )
+
+
 def _quiet_ray_data() -> None:
-    """Our per-step progress lines replace Ray Data's per-execution logs (dozens per stage)."""
+    """On a terminal keep Ray Data's live progress bars; in logs (CI, jobs) our per-step lines
+    replace its per-execution log blocks, dozens per stage."""
     import logging
+    import sys
 
     from ray.data import DataContext
 
-    DataContext.get_current().enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    if not sys.stderr.isatty():
+        DataContext.get_current().enable_progress_bars = False
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
 def run(cfg: DataConfig, ctx) -> dict[str, Path]:
@@ -393,6 +414,7 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
         for split in ("train", "eval"):
             rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split)
             metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
+        _check_not_empty(kind, metrics, had_input=any(k == kind for k, _ in _sources(cfg, ctx.pipeline)))
         (ctx.out_dir / kind / "meta.json").write_text(json.dumps({
             "kind": kind, "tokenizer": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
             "packed": cfg.pack and kind == "sft", "columns": [*COLUMNS[kind], "num_tokens"],

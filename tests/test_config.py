@@ -115,3 +115,20 @@ def test_flags_and_overrides_mix_in_any_order(tmp_path):
     assert result.stdout.count("miss") == 2
     bad = run_cli("plan", str(SMOKE), "--only", "model", "stray")
     assert bad.returncode == 2 and "unrecognized arguments: stray" in bad.stderr
+
+
+def test_cross_field_and_encoding_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"max_len \(1000\) exceeds model.builtin.max_position_embeddings \(128\)"):
+        smoke_config(tmp_path, "stages.data.max_len=1000")
+    with pytest.raises(ConfigError, match="no data"):
+        smoke_config(tmp_path, "stages.data.generate={sft: 0, preference: 0, prompts: 0}")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00run_dir")
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        load_config(binary)
+
+
+def test_unreachable_tracking_server_is_a_user_error(tmp_path):
+    result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "mlflow.tracking_uri=http://127.0.0.1:1")
+    assert result.returncode == 2 and "mlflow.tracking_uri: cannot reach" in result.stderr
+    assert not (tmp_path / "run").exists()

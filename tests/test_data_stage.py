@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
 def run_data(run_dir, tracking_uri, *overrides) -> tuple[dict, dict]:
     """Run model + data; return (data outputs, data metrics)."""
     cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
-    summary = run_pipeline(cfg, build_plan(cfg), SMOKE, Console(quiet=True))
+    summary = run_pipeline(cfg, SMOKE, Console(quiet=True))
     manifest = summary["stages"]["data"]
     out = artifacts.artifact_dir(cfg.run_dir, "data", manifest["key"])
     return artifacts.output_paths(manifest, out), manifest["metrics"]
@@ -71,19 +71,24 @@ def test_generated_task_data(ray_local, run_dir, tracking_uri):
 
 
 def _write_user_files(tmp_path):
+    """20 valid rows per kind in three formats, plus duplicates and invalid rows."""
     sft = tmp_path / "sft.jsonl"
-    good = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi there"}]}
+    good = [{"messages": [{"role": "user", "content": f"Say hi {i}"}, {"role": "assistant", "content": f"hi {i}"}]}
+            for i in range(10)]
+    good += [{"prompt": f"What is {i} + 1?", "response": f"{i} + 1 = {i + 1}"} for i in range(10)]
     sft.write_text("\n".join(json.dumps(r) for r in [
-        good,
-        {"prompt": "What is 1 + 1?", "response": "1 + 1 = 2"},
-        good,  # duplicate
-        {"messages": [{"role": "user", "content": "no reply"}]},  # bad: no assistant turn
-        {"prompt": "", "response": "x"},  # bad: empty prompt
+        *good[:3],
+        {"messages": [{"role": "user", "content": "no reply"}]},  # line 4, invalid: no assistant turn
+        good[0],  # duplicate
+        {"prompt": "", "response": "x"},  # invalid: empty prompt
+        *good[3:],
     ]) + "\n")
     pref = tmp_path / "pref.csv"
-    pref.write_text("prompt,chosen,rejected\nWhat is 2 + 2?,2 + 2 = 4,2 + 2 = 5\nWhat is 3 + 3?,same,same\n")
+    pref.write_text("prompt,chosen,rejected\n" + "".join(f"What is {i} + 2?,{i + 2},{i + 3}\n" for i in range(20))
+                    + "Same?,same,same\n")
     prompts = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": ["What is 4 + 4?", "What is 5 + 5?"], "answer": ["8", "10"]}), prompts)
+    pq.write_table(pa.table({"prompt": [f"What is {i} + 4?" for i in range(20)], "answer": [str(i + 4) for i in range(20)]}),
+                   prompts)
     return sft, pref, prompts
 
 
@@ -91,12 +96,13 @@ def test_user_files_with_bad_rows_dropped_and_counted(ray_local, run_dir, tracki
     sft, pref, prompts = _write_user_files(tmp_path)
     outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]",
                           f"stages.data.sources.preference=[{pref}]", f"stages.data.sources.prompts=[{prompts}]",
-                          "stages.data.eval_fraction=0.01")
-    assert (m["sft_rows_bad"], m["sft_rows_duplicate"], m["sft_train_rows"] + m["sft_eval_rows"]) == (2, 1, 2)
-    assert (m["preference_rows_bad"], m["preference_train_rows"] + m["preference_eval_rows"]) == (1, 1)
-    assert m["prompts_rows_bad"] == 0 and m["prompts_train_rows"] + m["prompts_eval_rows"] == 2
+                          "stages.data.eval_fraction=0.3")
+    assert (m["sft_rows_bad"], m["sft_rows_duplicate"], m["sft_train_rows"] + m["sft_eval_rows"]) == (2, 1, 20)
+    assert (m["preference_rows_bad"], m["preference_train_rows"] + m["preference_eval_rows"]) == (1, 20)
+    assert m["prompts_rows_bad"] == 0 and m["prompts_train_rows"] + m["prompts_eval_rows"] == 20
+    assert min(m[f"{k}_{s}_rows"] for k in ("sft", "preference", "prompts") for s in ("train", "eval")) > 0
     rows = read(outputs["prompt_data"] / "train") + read(outputs["prompt_data"] / "eval")
-    assert sorted(r["answer"] for r in rows) == ["10", "8"]
+    assert sorted(int(r["answer"]) for r in rows) == list(range(4, 24))
 
 
 def test_fail_mode_names_the_file_and_line(ray_local, run_dir, tracking_uri, tmp_path):

@@ -48,3 +48,35 @@ def test_packing_keeps_every_token_and_restarts_positions():
     assert sum(len(p["input_ids"]) for p in packed) == sum(len(r[0]) for r in rows)
     assert sum(sum(p["loss_mask"]) for p in packed) == 2 * len(rows)
     assert packed[0]["position_ids"] == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
+
+
+# A Qwen-style template: injects a default system turn and ends turns with "<|im_end|>\n".
+OTHER_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_mask_with_a_template_that_adds_a_default_system_turn(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = OTHER_TEMPLATE
+    messages = [{"role": "user", "content": "What is 5 + 5?"}, {"role": "assistant", "content": "5 + 5 = 10"},
+                {"role": "user", "content": "And 6 + 1?"}, {"role": "assistant", "content": "6 + 1 = 7"}]
+    decoded, enc, _ = _masked_text(tok, messages)
+    assert "You are a helpful assistant." in tok.decode(enc["input_ids"])
+    assert decoded == "5 + 5 = 106 + 1 = 7"
+
+
+def test_empty_splits_are_errors_naming_the_fix():
+    import pytest
+
+    from pipeline.errors import DataError
+    from stages.data import _check_not_empty
+
+    counts = {"sft_train_rows": 5, "sft_eval_rows": 0, "sft_rows_bad": 0, "sft_rows_duplicate": 0, "sft_rows_too_long": 0}
+    with pytest.raises(DataError, match="no sft rows left in the eval split.*eval_fraction"):
+        _check_not_empty("sft", counts, had_input=True)
+    _check_not_empty("sft", counts, had_input=False)  # a kind nobody asked for may be empty

@@ -48,3 +48,16 @@ def test_absent_cells_of_mixed_schema_files_count_as_missing():
     good, err = check_row("sft", {"messages": float("nan"), "prompt": "q", "response": "a"})
     assert err == "" and good["messages"][0]["content"] == "q"
     assert "needs 'messages'" in check_row("sft", {"messages": float("nan"), "prompt": None})[1]
+
+
+def test_type_changes_between_lines_are_located_for_read_errors(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "a", "answer": 8}\n{"prompt": "b", "answer": 9}\n{"prompt": "c", "answer": "10"}\n')
+    assert locate_problem(f, "prompts", parse_only=True) == (
+        f"{f}: line 3: 'answer' is text here but number on line 1; use one type per column")
+    assert locate_problem(f, "prompts") is None  # every row is valid on its own
+
+
+def test_conversations_must_start_with_the_user():
+    msgs = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    assert "must start with a user message" in check_row("sft", {"messages": msgs})[1]

@@ -72,7 +72,7 @@ def toy(tmp_path, monkeypatch, tracking_uri):
             cfg = self.cfg(*overrides)
             log = run_dir / "executions.log"
             before = log.read_text().split() if log.exists() else []
-            run_pipeline(cfg, build_plan(cfg, registry=REGISTRY, **kw), SMOKE, Console(quiet=True))
+            run_pipeline(cfg, SMOKE, Console(quiet=True), registry=REGISTRY, **kw)
             return sorted(log.read_text().split()[len(before):])
 
     yield Toy(), code, raw, run_dir
@@ -171,3 +171,13 @@ def test_second_run_on_a_busy_run_dir_refuses(tmp_path):
     assert result.returncode == 2
     assert "another pipeline run" in result.stderr and str(tmp_path / "run") in result.stderr
     assert not (tmp_path / "run" / "artifacts").exists()
+
+
+def test_library_upgrade_reruns_everything(toy, monkeypatch):
+    t, *_ = toy
+    t.run()
+    real = artifacts.library_versions()
+    monkeypatch.setattr(artifacts, "library_versions", lambda: {**real, "transformers": "99.0"})
+    plan = t.plan()
+    assert all(p.status == "miss" for p in plan.values())
+    assert plan["toy_c"].reason == "libraries changed: transformers"

@@ -71,6 +71,8 @@ def _messages(row: dict) -> list[dict]:
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise ValueError("no non-empty assistant message to train on")
+    if next(m["role"] for m in messages if m["role"] != "system") == "assistant":  # one exists (checked above)
+        raise ValueError("the conversation must start with a user message (after any system message)")
     return messages
 
 
@@ -129,11 +131,36 @@ def _iter_rows(path: Path):
             yield i, row
 
 
-def locate_problem(path: Path, kind: str) -> str | None:
-    """'<file>:<line>: <reason>' for the first unreadable or invalid row of a file, else None."""
+def _json_type(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "text", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def locate_problem(path: Path, kind: str, parse_only: bool = False) -> str | None:
+    """'<file>: line N: <reason>' for the first problem in a file, else None.
+
+    `parse_only` finds only what stops a columnar reader (Ray Data / pyarrow): lines that are not
+    JSON objects, wrong column counts, and a column whose type changes between rows. Without it,
+    rows that parse but fail validation count too (for `on_bad_rows: fail`).
+    """
     unit = "row" if path.suffix.lower() == ".parquet" else "line"
+    seen: dict[str, tuple[str, int]] = {}
     for line_no, row in _iter_rows(path):
-        reason = row if isinstance(row, str) else check_row(kind, row)[1]
+        reason = row if isinstance(row, str) else None
+        if reason is None and parse_only and path.suffix.lower() in (".jsonl", ".json"):
+            for key, value in row.items():
+                typ = _json_type(value)
+                first = seen.setdefault(key, (typ, line_no)) if typ else None
+                if first and first[0] != typ:
+                    reason = f"'{key}' is {typ} here but {first[0]} on line {first[1]}; use one type per column"
+                    break
+        if reason is None and not parse_only:
+            reason = check_row(kind, row)[1] or None
         if reason:
             return f"{path}: {unit} {line_no}: {reason}" if line_no else f"{path}: {reason}"
     return None

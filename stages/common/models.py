@@ -66,6 +66,8 @@ class ModelConfig(Section):
             raise ValueError(f"model directory not found: {path} (use 'builtin' or a local HF checkpoint directory)")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json; point it at a directory written by save_pretrained")
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            raise ValueError(f"{path} has no tokenizer files; save the tokenizer into the checkpoint directory too")
         return str(path)
 
     @property
@@ -142,7 +144,8 @@ def load_tokenizer(path: str | Path):
 
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if tok.chat_template is None:
-        raise ValueError(f"tokenizer at {path} has no chat_template; use a chat/instruct checkpoint")
+        # A base (non-chat) checkpoint: ChatML as plain text, the usual choice for tuning one.
+        tok.chat_template = CHAT_TEMPLATE
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
