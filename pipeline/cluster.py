@@ -31,7 +31,8 @@ def ensure_ray(ray_cfg) -> bool:
         ray.init(
             num_cpus=ray_cfg.local_num_cpus(),
             object_store_memory=int(gib * 2**30) if gib else None,
-            include_dashboard=False,
+            # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
+            include_dashboard=True,
         )
     return True
 

@@ -24,6 +24,8 @@ from pipeline.schema import Section
 from stages.common.models import ModelConfig
 from stages.common.tasks import TaskConfig
 from stages.data import DataConfig
+from stages.reward import RewardConfig
+from stages.sft import SFTConfig
 
 
 class RayConfig(Section):
@@ -63,6 +65,8 @@ class StagesConfig(Section):
     """One section per stage (the `model` stage is configured by the top-level `model` section)."""
 
     data: DataConfig = Field(default_factory=DataConfig, description="The data stage (Ray Data).")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed).")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + DeepSpeed).")
 
 
 class PipelineConfig(Section):

@@ -28,4 +28,8 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("data", "stages.data", "stages.data", ("seed", "task"), ("base_model",),
               ("sft_data", "preference_data", "prompt_data"),
               "Ray Data: validate, dedupe, template, tokenize, mask, split, write Parquet"),
+    StageSpec("sft", "stages.sft", "stages.sft", ("seed",), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
+              "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens"),
+    StageSpec("reward", "stages.reward", "stages.reward", ("seed",), ("base_model", "sft_model", "preference_data"),
+              ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs"),
 )

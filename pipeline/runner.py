@@ -233,6 +233,10 @@ class StageContext:
         self.metrics.update(metrics)
         self.tracker.log_metrics(self.run_id, metrics, step)
 
+    def log_dict(self, data: Any, name: str) -> None:
+        """Attach a JSON document (e.g. the effective DeepSpeed config) to the stage's MLflow run."""
+        self.tracker.log_dict(self.run_id, data, name)
+
     def progress(self, message: str) -> None:
         self.console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {self.name}: {message}")
 
@@ -301,7 +305,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         active = [p for p in plan if p.status != "skip"]
         by_name = {p.spec.name: p for p in plan}
         producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
-        summary: dict[str, Any] = {"plan": plan, "stages": {}, "started_ray": False}
+        summary: dict[str, Any] = {"plan": plan, "stages": {}, "run_ids": {}, "started_ray": False}
         version = git_version()
         tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name=config_path.stem,
                           tags={"config": str(config_path), "code_version": version, "run_dir": str(cfg.run_dir)})
@@ -334,8 +338,9 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                     summary["started_ray"] |= ctx.started_ray
                 tracker.log_dict(run_id, manifest, "manifest.json")
                 tracker.end(run_id)
-                run_id = None
                 summary["stages"][name] = manifest
+                summary["run_ids"][name] = run_id
+                run_id = None
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] done in {time.time() - t0:.1f}s")
         except KeyboardInterrupt:
             status = "KILLED"

@@ -30,7 +30,7 @@ def ray_local():
     """One local Ray for in-process stage tests (the runner reuses it and leaves it running)."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False)
+    ray.init(num_cpus=8, include_dashboard=True)  # the dashboard serves the state API Ray Train polls
     yield
     ray.shutdown()
 

@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
 def run_data(run_dir, tracking_uri, *overrides) -> tuple[dict, dict]:
     """Run model + data; return (data outputs, data metrics)."""
     cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
-    summary = run_pipeline(cfg, SMOKE, Console(quiet=True))
+    summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="data")
     manifest = summary["stages"]["data"]
     out = artifacts.artifact_dir(cfg.run_dir, "data", manifest["key"])
     return artifacts.output_paths(manifest, out), manifest["metrics"]
@@ -142,8 +142,8 @@ def test_a_local_checkpoint_replaces_the_builtin_model(ray_local, tmp_path, trac
     assert m["sft_train_rows"] > 0
 
     cfg = smoke_config(tmp_path / "run", f"model.source={ckpt}", f"mlflow.tracking_uri={tracking_uri}")
-    assert {p.spec.name: p.status for p in build_plan(cfg)} == {"model": "hit", "data": "hit"}
+    assert {p.spec.name: p.status for p in build_plan(cfg, to="data")} == {"model": "hit", "data": "hit"}
     (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace("}", ', "note": 1}', 1))
-    plan = {p.spec.name: p for p in build_plan(cfg)}
+    plan = {p.spec.name: p for p in build_plan(cfg, to="data")}
     assert plan["model"].status == "miss" and "raw inputs changed" in plan["model"].reason
     assert plan["data"].status == "miss"

@@ -153,3 +153,35 @@ def load_tokenizer(path: str | Path):
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                    batch_size: int = 32) -> list[str]:
+    """Greedy completions (new tokens only, special tokens dropped) for tokenized prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    texts = []
+    for i in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for j, p in enumerate(chunk):  # left padding: every prompt ends where generation starts
+            ids[j, width - len(p):] = torch.tensor(p)
+            attn[j, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts += tok.batch_decode(out[:, width:], skip_special_tokens=True)
+    return texts
+
+
+def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int) -> float:
+    """Share of prompt rows (`prompt_ids`, `answer`) whose greedy answer the task verifier accepts."""
+    from stages.common.tasks import verify
+
+    texts = greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens)
+    return sum(verify(t, r["answer"]) for t, r in zip(texts, rows)) / max(len(rows), 1)

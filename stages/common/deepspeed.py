@@ -1,0 +1,145 @@
+"""DeepSpeed and device settings shared by the training stages.
+
+`TrainingConfig` holds the typed YAML fields (ZeRO stage, offload, batch sizes, learning-rate
+schedule, precision, ...); `deepspeed_config` turns them into the DeepSpeed config dict, with a
+user's raw `deepspeed.extra` dict merged over it last. Mistakes that DeepSpeed would only report
+inside a worker minutes later (a batch size that does not divide, parameter offload without
+ZeRO-3) are rejected here, at validation, with the key named.
+
+Device choices live in one place (`backend`, `device_env`): gloo and DeepSpeed's CPU accelerator
+without a GPU, NCCL and CUDA with one. The code is the same on both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.schema import Section
+
+
+class DeepSpeedSection(Section):
+    """DeepSpeed ZeRO settings."""
+
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded.")
+    offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO >= 1). Only matters with a GPU.")
+    offload_params: bool = Field(False, description="Keep parameters in CPU memory (ZeRO-3 only). Only matters with a GPU.")
+    precision: Literal["auto", "bf16", "fp32"] = Field("fp32", description="'auto': bf16 where the hardware supports it, else fp32.")
+    activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    extra: dict[str, Any] = Field({}, description="Raw DeepSpeed config merged over the generated one (last word).")
+
+    @model_validator(mode="after")
+    def _offload_needs_zero(self) -> "DeepSpeedSection":
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"offload_params needs zero_stage 3 (got {self.zero_stage}); set zero_stage: 3 or offload_params: false")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("offload_optimizer needs zero_stage >= 1; set zero_stage: 1, 2 or 3")
+        return self
+
+
+class TrainingConfig(Section):
+    """Optimisation settings shared in shape by the sft and reward stages."""
+
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    epochs: int = Field(1, ge=1, description="Passes over the training split.")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (empty: run all epochs).")
+    batch_size: int = Field(32, ge=1, description="Global batch: sequences per optimizer step over all workers.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per worker per forward pass; the rest is gradient accumulation.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to lr.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine/linear).")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping.")
+    eval_every: int = Field(50, ge=1, description="Evaluate on the eval split every N optimizer steps.")
+    checkpoint_every: int = Field(100, ge=1, description="Report a checkpoint every N optimizer steps (and at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept by Ray Train (CheckpointConfig.num_to_keep).")
+    max_failures: int = Field(1, ge=0, description="Worker failures Ray Train recovers from (restarting from the last checkpoint).")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings.")
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> "TrainingConfig":
+        per_step = self.micro_batch_size * self.num_workers
+        if self.batch_size % per_step:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size x num_workers "
+                f"({self.micro_batch_size} x {self.num_workers} = {per_step}); e.g. batch_size: {per_step * max(1, self.batch_size // per_step)}"
+            )
+        return self
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch_size // (self.micro_batch_size * self.num_workers)
+
+
+def use_gpu() -> bool:
+    """True when this process sees a CUDA device (decides backend, accelerator and precision)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def backend(gpu: bool) -> str:
+    return "nccl" if gpu else "gloo"
+
+
+def device_env(gpu: bool) -> dict[str, str]:
+    """Environment for training workers: DeepSpeed's accelerator must be chosen before import."""
+    return {} if gpu else {"DS_ACCELERATOR": "cpu"}
+
+
+def bf16_supported(gpu: bool) -> bool:
+    import torch
+
+    if gpu:
+        return torch.cuda.is_bf16_supported()
+    return bool(getattr(torch.backends, "mkldnn", None) and torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """Deep-merge `extra` over `base` (the user's raw DeepSpeed dict has the last word)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
+    """The DeepSpeed config dict for a run of `total_steps` optimizer steps."""
+    ds = cfg.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    if ds.zero_stage == 3:
+        # Gather the full weights on save, so checkpoints hold a loadable HF model.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    if cfg.lr_schedule == "constant":
+        scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+                                                    "warmup_num_steps": max(warmup, 1), "warmup_type": "linear"}}
+    elif cfg.lr_schedule == "linear":
+        scheduler = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+                                                         "warmup_num_steps": max(warmup, 1), "warmup_type": "linear",
+                                                         "total_num_steps": max(total_steps, warmup + 1)}}
+    else:
+        scheduler = {"type": "WarmupCosineLR", "params": {"total_num_steps": max(total_steps, warmup + 1),
+                                                          "warmup_num_steps": max(warmup, 1), "warmup_min_ratio": 0.0,
+                                                          "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}}
+    config = {
+        "train_batch_size": cfg.batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
+                                                  "betas": [0.9, 0.95], "eps": 1e-8}},
+        "scheduler": scheduler,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 10**9,  # progress is ours (MLflow + console), not DeepSpeed's prints
+        "wall_clock_breakdown": False,
+    }
+    return merge(config, ds.extra)

@@ -1,0 +1,172 @@
+"""Training mechanisms shared by the sft and reward stages (Ray Train V2 + DeepSpeed).
+
+Each stage keeps its own loop (what it computes); this module holds only the plumbing both need:
+building the `TorchTrainer`, a rank-0 MLflow logger, padding, checkpoints that carry the
+DeepSpeed state (optimizer, scheduler) plus the position in the data, and saving a HF model
+(gathering ZeRO-3 shards first).
+
+Checkpoints: every rank writes its DeepSpeed shard into a local directory and reports it; Ray
+Train merges them into one checkpoint under `storage_path/name`. A rerun with the same
+`RunConfig(name, storage_path)` (the stage's cache key) resumes from the latest one (DESIGN.md
+§2.9), so an interrupted stage continues where it stopped instead of starting over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from stages.common.deepspeed import TrainingConfig, backend, device_env
+
+STATE_FILE = "trainer_state.json"
+DS_TAG = "ds"
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, datasets: dict, storage: Path,
+        gpu: bool):
+    """Run `loop` on `tcfg.num_workers` Ray Train workers; return the Ray Train `Result`."""
+    from ray.data import ExecutionOptions
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    storage.mkdir(parents=True, exist_ok=True)
+    trainer = TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend=backend(gpu)),
+        scaling_config=ScalingConfig(num_workers=tcfg.num_workers, use_gpu=gpu),
+        datasets=datasets,
+        # Same order every epoch and every attempt: resuming skips exactly the batches already seen.
+        dataset_config=DataConfig(datasets_to_split="all", execution_options=ExecutionOptions(preserve_order=True)),
+        run_config=RunConfig(
+            name="train",
+            storage_path=str(storage),
+            checkpoint_config=CheckpointConfig(num_to_keep=tcfg.keep_checkpoints),
+            failure_config=FailureConfig(max_failures=tcfg.max_failures),
+            # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
+            worker_runtime_env={"env_vars": {**device_env(gpu), **{k: v for k, v in os.environ.items()
+                                                                   if k.startswith("PIPELINE_FAULT_")}}},
+        ),
+    )
+    return trainer.fit()
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class RankZeroLogger:
+    """Metrics from rank 0 straight into the stage's MLflow run (workers have no driver objects)."""
+
+    def __init__(self, tracking_uri: str, run_id: str, rank: int, prefix: str):
+        self.rank, self.prefix, self.client, self.run_id = rank, prefix, None, run_id
+        if rank == 0:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def print(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"{self.prefix}: {message}", flush=True)
+
+
+def pad(seqs: list, value: int, dtype=None):
+    """Right-pad ragged int sequences into a (B, L) tensor; returns (tensor, attention mask)."""
+    import torch
+
+    longest = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), longest), value, dtype=dtype or torch.long)
+    attn = torch.zeros((len(seqs), longest), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(list(s), dtype=out.dtype)
+        attn[i, : len(s)] = 1
+    return out, attn
+
+
+def init_engine(model, ds_config: dict):
+    """DeepSpeed engine over Ray Train's already-initialised process group."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    return engine
+
+
+def restore(engine) -> dict:
+    """Load the latest reported checkpoint into `engine`; return its trainer state (or a fresh one)."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return {"step": 0, "epoch": 0, "micro_in_epoch": 0}
+    with checkpoint.as_directory() as d:
+        engine.load_checkpoint(d, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        return json.loads((Path(d) / STATE_FILE).read_text())
+
+
+def save_hf(engine, directory: Path, rank: int) -> None:
+    """Write the full model in HF format on rank 0 (collective: every rank must call it)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    zero3 = engine.zero_optimization_stage() == 3
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
+        if rank == 0:
+            state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+            engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+
+
+def report(engine, state: dict, metrics: dict[str, Any], rank: int, with_checkpoint: bool) -> None:
+    """`ray.train.report` from every rank; with a checkpoint: DeepSpeed state, trainer state, HF model."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    if not with_checkpoint:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory() as d:
+        engine.save_checkpoint(d, tag=DS_TAG, exclude_frozen_parameters=False)
+        save_hf(engine, Path(d) / "hf", rank)
+        if rank == 0:
+            (Path(d) / STATE_FILE).write_text(json.dumps(state))
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
+
+
+def worker_rank() -> tuple[int, int]:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return ctx.get_world_rank(), ctx.get_world_size()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum floats over all ranks (gloo or NCCL, whichever group Ray Train set up)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def set_threads(world_size: int) -> None:
+    """Split the machine's cores between co-located workers instead of oversubscribing them."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

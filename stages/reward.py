@@ -1,0 +1,196 @@
+"""Reward stage: a Bradley-Terry reward model trained on the preference pairs.
+
+Same runtime shape as `stages.sft` (Ray Train V2 `TorchTrainer`, DeepSpeed ZeRO from YAML, Ray
+Data shards, checkpoints that resume): the loop is repeated here rather than shared through hooks,
+because what it computes differs. The model is a sequence classifier with one output
+(`AutoModelForSequenceClassification`, `num_labels=1`) initialised from the SFT model by default;
+chosen and rejected answers go through one forward pass and the loss is
+`-log sigmoid(r_chosen - r_rejected)`. Evaluation: pairwise accuracy (share of held-out pairs
+with r_chosen > r_rejected) and mean margin.
+
+Run alone: `python -m pipeline run configs/full.yaml --only reward` (after `sft`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.errors import UserError
+from stages.common.deepspeed import TrainingConfig
+
+
+class RewardConfig(TrainingConfig):
+    """The reward stage: the shared training fields plus where the model starts."""
+
+    init_from: Literal["sft", "base"] = Field("sft", description="Initialise from the SFT model or the base model.")
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def bradley_terry_loss(r_chosen, r_rejected):
+    """Mean of -log sigmoid(r_chosen - r_rejected): the pair's log-likelihood under Bradley-Terry."""
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def total_steps(n_pairs: int, cfg: TrainingConfig) -> int:
+    micro_per_epoch = (n_pairs // cfg.num_workers) // cfg.micro_batch_size
+    steps = cfg.epochs * micro_per_epoch // cfg.grad_accum
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def collate(batch: dict, pad_id: int) -> dict:
+    """B pairs -> one padded batch of 2B sequences: chosen first, then rejected."""
+    from stages.common.training import pad
+
+    input_ids, attention = pad([*batch["chosen_input_ids"], *batch["rejected_input_ids"]], pad_id)
+    return {"input_ids": input_ids, "attention_mask": attention}
+
+
+def _rewards(engine, batch):
+    r = engine(**batch).logits.squeeze(-1).float()
+    half = r.shape[0] // 2
+    return r[:half], r[half:]
+
+
+# --------------------------------------------------------------------------- worker loop
+
+
+def _evaluate(engine, shard, pad_id: int, micro: int) -> dict[str, float]:
+    """Pairwise accuracy, mean margin and loss over every rank's eval shard."""
+    import torch
+
+    from stages.common.training import all_reduce_sum
+
+    engine.eval()
+    correct = margin = loss = n = 0.0
+    with torch.no_grad():
+        for batch in shard.iter_torch_batches(batch_size=micro, collate_fn=partial(collate, pad_id=pad_id)):
+            rc, rr = _rewards(engine, batch)
+            correct += float((rc > rr).sum())
+            margin += float((rc - rr).sum())
+            loss += float(bradley_terry_loss(rc, rr)) * len(rc)
+            n += len(rc)
+    engine.train()
+    correct, margin, loss, n = all_reduce_sum([correct, margin, loss, n])
+    return {"eval_accuracy": correct / max(n, 1), "eval_margin": margin / max(n, 1), "eval_loss": loss / max(n, 1)}
+
+
+def train_loop(c: dict) -> None:
+    """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
+    import ray.train
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.common import training
+
+    rank, world = training.worker_rank()
+    training.set_threads(world)
+    cfg = RewardConfig.model_validate(c["cfg"])
+    torch.manual_seed(c["seed"])
+    model = AutoModelForSequenceClassification.from_pretrained(c["init"], num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = c["pad_id"]  # the classifier reads the last non-pad token
+    if cfg.deepspeed.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "reward")
+    engine = training.init_engine(model, c["ds_config"])
+    state = training.restore(engine)
+    train, evals = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("eval")
+    total, pad_id = c["total_steps"], c["pad_id"]
+    if state["step"] == 0:
+        first = _evaluate(engine, evals, pad_id, cfg.micro_batch_size)
+        log.log(first, 0)
+        log.print(f"step 0/{total} " + " ".join(f"{k} {v:.4g}" for k, v in first.items()))
+    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
+    fault_armed = fault_at > state["step"]
+    metrics: dict = {}
+    for epoch in range(state["epoch"], cfg.epochs):
+        skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
+        busy, micro = 0.0, 0
+        for batch in train.iter_torch_batches(batch_size=cfg.micro_batch_size, drop_last=True,
+                                              collate_fn=partial(collate, pad_id=pad_id)):
+            micro += 1
+            if micro <= skip:
+                continue
+            if engine.global_steps >= total:
+                break
+            t0 = time.time()
+            rc, rr = _rewards(engine, batch)
+            loss = bradley_terry_loss(rc, rr)
+            engine.backward(loss)
+            before = engine.global_steps
+            engine.step()
+            busy += time.time() - t0
+            if engine.global_steps == before:
+                continue
+            step = engine.global_steps
+            metrics = {"train_loss": loss.item(), "train_accuracy": float((rc > rr).float().mean()),
+                       "lr": engine.get_lr()[0], "step_time_s": busy}
+            busy = 0.0
+            if step % cfg.eval_every == 0 or step == total:
+                metrics.update(_evaluate(engine, evals, pad_id, cfg.micro_batch_size))
+            log.log(metrics, step)
+            log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
+            if step % cfg.checkpoint_every == 0 or step == total:
+                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+                if fault_armed and step >= fault_at:
+                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
+        state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0}
+        if engine.global_steps >= total:
+            break
+    if not metrics:  # resumed after the last step: report the final state again so the run ends on it
+        training.report(engine, state, {"step": engine.global_steps}, rank, with_checkpoint=True)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run(cfg: RewardConfig, ctx) -> dict[str, Path]:
+    """Train with TorchTrainer and export the HF sequence-classification model."""
+    import ray.data
+
+    from stages.common.deepspeed import bf16_supported, deepspeed_config, use_gpu
+    from stages.common.models import load_tokenizer
+    from stages.common.training import fit
+
+    data = ctx.inputs["preference_data"]
+    init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
+    n_pairs = json.loads((data / "meta.json").read_text())["rows"]["train"]
+    steps = total_steps(n_pairs, cfg)
+    if steps < 1:
+        raise UserError(f"stages.reward: {n_pairs} training pairs make no full optimizer step with batch_size "
+                        f"{cfg.batch_size}; lower stages.reward.batch_size or generate more pairs")
+    gpu = use_gpu()
+    bf16 = cfg.deepspeed.precision == "bf16" or (cfg.deepspeed.precision == "auto" and bf16_supported(gpu))
+    ds_config = deepspeed_config(cfg, steps, bf16)
+    ctx.log_dict(ds_config, "deepspeed_config.json")
+    tok = load_tokenizer(init)
+    ctx.ray()
+    ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
+                 f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from})")
+    result = fit(train_loop, {
+        "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
+        "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
+        "run_id": ctx.run_id,
+    }, cfg, {"train": ray.data.read_parquet(str(data / "train")), "eval": ray.data.read_parquet(str(data / "eval"))},
+        ctx.checkpoint_dir, gpu)
+    out = ctx.out_dir / "model"
+    with result.checkpoint.as_directory() as d:
+        shutil.copytree(Path(d) / "hf", out)
+    tok.save_pretrained(out)
+    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}, "
+                 f"mean margin {metrics.get('eval_margin', float('nan')):.3f}")
+    ctx.log_metrics(metrics, step=steps)
+    return {"reward_model": out}

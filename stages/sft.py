@@ -1,0 +1,202 @@
+"""SFT stage: supervised fine-tuning of the base model on the data stage's conversations.
+
+Runs inside Ray Train V2's `TorchTrainer` (`num_workers` data-parallel ranks, gloo on CPU, NCCL on
+GPU) with DeepSpeed ZeRO 0-3 configured from YAML (`stages.common.deepspeed`). Batches come from
+the data stage's Parquet through Ray Data (`get_dataset_shard` + `iter_torch_batches`); the loss
+covers only assistant tokens (the data stage's `loss_mask`). Rank 0 logs train loss, learning
+rate and tokens/s every step and the eval loss every `eval_every` steps to the stage's MLflow run;
+at the end the driver scores greedy answers of the base and the tuned model on held-out prompts
+with the task verifier. Checkpoints are reported to Ray Train; an interrupted stage resumes from
+the latest one (model, optimizer, scheduler and position in the data).
+
+Run alone: `python -m pipeline run configs/full.yaml --only sft` (after `data`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+
+from pydantic import Field
+
+from pipeline.errors import UserError
+from stages.common.deepspeed import TrainingConfig
+
+
+class SFTConfig(TrainingConfig):
+    """The sft stage: the shared training fields plus evaluation settings."""
+
+    accuracy_prompts: int = Field(200, ge=0, description="Held-out prompts scored by the task verifier at the end (0: skip).")
+    max_new_tokens: int = Field(24, ge=1, description="Tokens generated per held-out prompt when scoring accuracy.")
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def total_steps(n_train: int, cfg: TrainingConfig) -> int:
+    """Optimizer steps of the run: full micro-batches per worker, accumulated, over all epochs."""
+    micro_per_epoch = (n_train // cfg.num_workers) // cfg.micro_batch_size
+    steps = cfg.epochs * micro_per_epoch // cfg.grad_accum
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def collate(batch: dict, pad_id: int) -> dict:
+    """Data-stage rows -> model inputs; labels are -100 wherever the loss mask is 0."""
+    import torch
+
+    from stages.common.training import pad
+
+    input_ids, attention = pad(batch["input_ids"], pad_id)
+    mask, _ = pad(batch["loss_mask"], 0)
+    out = {"input_ids": input_ids, "attention_mask": attention,
+           "labels": torch.where(mask.bool(), input_ids, torch.full_like(input_ids, -100))}
+    if "position_ids" in batch:  # packed rows: positions restart per conversation
+        out["position_ids"], _ = pad(batch["position_ids"], 0)
+    return out
+
+
+# --------------------------------------------------------------------------- worker loop
+
+
+def _eval_loss(engine, shard, pad_id: int, micro: int) -> float:
+    """Token-weighted mean loss over every rank's eval shard."""
+    import torch
+
+    from stages.common.training import all_reduce_sum
+
+    engine.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in shard.iter_torch_batches(batch_size=micro, collate_fn=partial(collate, pad_id=pad_id)):
+            n = float((batch["labels"][:, 1:] != -100).sum())
+            total += float(engine(**batch).loss) * n
+            count += n
+    engine.train()
+    total, count = all_reduce_sum([total, count])
+    return total / max(count, 1.0)
+
+
+def train_loop(c: dict) -> None:
+    """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
+    import ray.train
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.common import training
+
+    rank, world = training.worker_rank()
+    training.set_threads(world)
+    cfg = SFTConfig.model_validate(c["cfg"])
+    torch.manual_seed(c["seed"])
+    model = AutoModelForCausalLM.from_pretrained(c["base"], dtype=torch.float32)
+    if cfg.deepspeed.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "sft")
+    t_start = time.time()
+    engine = training.init_engine(model, c["ds_config"])
+    state = training.restore(engine)
+    log.print(f"DeepSpeed engine ready in {time.time() - t_start:.1f}s (resuming at step {state['step']})")
+    train, evals = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("eval")
+    total, pad_id = c["total_steps"], c["pad_id"]
+    if state["step"] == 0:
+        loss0 = _eval_loss(engine, evals, pad_id, cfg.micro_batch_size)
+        log.log({"eval_loss": loss0}, 0)
+        log.print(f"step 0/{total} eval_loss {loss0:.4f}")
+    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))  # fault drills and resume tests
+    fault_armed = fault_at > state["step"]
+    metrics: dict = {}
+    for epoch in range(state["epoch"], cfg.epochs):
+        skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
+        busy, tokens, micro = 0.0, 0, 0
+        batches = train.iter_torch_batches(batch_size=cfg.micro_batch_size, drop_last=True,
+                                           collate_fn=partial(collate, pad_id=pad_id))
+        for batch in batches:
+            micro += 1
+            if micro <= skip:
+                continue
+            if engine.global_steps >= total:
+                break
+            t0 = time.time()
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            before = engine.global_steps
+            engine.step()
+            busy, tokens = busy + time.time() - t0, tokens + int(batch["attention_mask"].sum())
+            if engine.global_steps == before:  # still accumulating
+                continue
+            step = engine.global_steps
+            n_tokens, n_busy = training.all_reduce_sum([tokens, busy])
+            metrics = {"train_loss": loss.item(), "lr": engine.get_lr()[0], "tokens_per_s": n_tokens / (n_busy / world)}
+            busy, tokens = 0.0, 0
+            if step % cfg.eval_every == 0 or step == total:
+                metrics["eval_loss"] = _eval_loss(engine, evals, pad_id, cfg.micro_batch_size)
+            log.log(metrics, step)
+            log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
+            if step % cfg.checkpoint_every == 0 or step == total:
+                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+                if fault_armed and step >= fault_at:
+                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
+        state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0}
+        if engine.global_steps >= total:
+            break
+    if not metrics:  # resumed after the last step: report the final state again so the run ends on it
+        training.report(engine, state, {"step": engine.global_steps}, rank, with_checkpoint=True)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def _read_rows(path: Path, n: int) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    files = sorted(path.glob("*.parquet"))
+    return pq.ParquetDataset(files).read().to_pylist()[:n] if files and n else []
+
+
+def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
+    """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
+    import ray.data
+
+    from stages.common.deepspeed import bf16_supported, deepspeed_config, use_gpu
+    from stages.common.models import greedy_accuracy, load_tokenizer
+    from stages.common.training import fit
+
+    data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
+    n_train = json.loads((data / "meta.json").read_text())["rows"]["train"]
+    steps = total_steps(n_train, cfg)
+    if steps < 1:
+        raise UserError(f"stages.sft: {n_train} training rows make no full optimizer step with batch_size "
+                        f"{cfg.batch_size}; lower stages.sft.batch_size or generate more data")
+    gpu = use_gpu()
+    bf16 = cfg.deepspeed.precision == "bf16" or (cfg.deepspeed.precision == "auto" and bf16_supported(gpu))
+    ds_config = deepspeed_config(cfg, steps, bf16)
+    ctx.log_dict(ds_config, "deepspeed_config.json")
+    tok = load_tokenizer(base)
+    ctx.ray()
+    ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
+                 f"{'bf16' if bf16 else 'fp32'}, {n_train} rows)")
+    result = fit(train_loop, {
+        "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
+        "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
+        "run_id": ctx.run_id,
+    }, cfg, {"train": ray.data.read_parquet(str(data / "train")), "eval": ray.data.read_parquet(str(data / "eval"))},
+        ctx.checkpoint_dir, gpu)
+    out = ctx.out_dir / "model"
+    with result.checkpoint.as_directory() as d:
+        shutil.copytree(Path(d) / "hf", out)
+    tok.save_pretrained(out)
+    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    prompts = _read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
+    if prompts:
+        ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts")
+        metrics["base_accuracy"] = greedy_accuracy(base, prompts, cfg.max_new_tokens)
+        metrics["accuracy"] = greedy_accuracy(out, prompts, cfg.max_new_tokens)
+        metrics["accuracy_prompts"] = len(prompts)
+        ctx.progress(f"accuracy {metrics['base_accuracy']:.3f} (base) -> {metrics['accuracy']:.3f} (sft)")
+    ctx.log_metrics(metrics, step=steps)  # at the last step: per-step curves stay as rank 0 logged them
+    return {"sft_model": out}

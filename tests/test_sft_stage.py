@@ -1,0 +1,98 @@
+"""The sft stage on Ray Train + DeepSpeed (2 CPU workers, smoke-sized model and data)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from conftest import SMOKE, smoke_config
+from pipeline import artifacts
+from pipeline.runner import run_pipeline
+
+pytestmark = pytest.mark.slow
+FAST = ["stages.sft.max_steps=6", "stages.sft.eval_every=3", "stages.sft.checkpoint_every=3",
+        "stages.sft.warmup_steps=1", "stages.sft.accuracy_prompts=8"]
+
+
+def run_sft(run_dir, tracking_uri, *overrides):
+    """Run model + data + sft; return (sft manifest, sft MLflow run id, model dir)."""
+    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *FAST, *overrides)
+    summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="sft")
+    manifest = summary["stages"]["sft"]
+    out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "sft", manifest["key"]))
+    return manifest, summary["run_ids"]["sft"], out["sft_model"]
+
+
+def history(tracking_uri, run_id, key) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    return {m.step: m.value for m in MlflowClient(tracking_uri).get_metric_history(run_id, key)}
+
+
+def weights(model_dir) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def zero_runs(ray_local, tmp_path_factory, tracking_uri):
+    """The same run under ZeRO 0, 2 and 3: {stage: (manifest, run id, model dir)}."""
+    run_dir = tmp_path_factory.mktemp("sft")
+    return {z: run_sft(run_dir, tracking_uri, f"stages.sft.deepspeed.zero_stage={z}") for z in (0, 2, 3)}
+
+
+def test_zero_stages_give_the_same_loss_trajectory(zero_runs, tracking_uri):
+    losses = {z: history(tracking_uri, run_id, "train_loss") for z, (_, run_id, _) in zero_runs.items()}
+    assert sorted(losses[0]) == list(range(1, 7))
+    for z in (2, 3):
+        assert losses[z].keys() == losses[0].keys()
+        np.testing.assert_allclose([losses[z][s] for s in losses[0]], list(losses[0].values()), rtol=2e-4)
+    # ZeRO-3 shards the parameters; the saved model is the gathered full one, equal to ZeRO-0's.
+    w0, w3 = weights(zero_runs[0][2]), weights(zero_runs[3][2])
+    assert w0.keys() == w3.keys()
+    for name in w0:
+        np.testing.assert_allclose(w3[name], w0[name], atol=1e-5)
+
+
+def test_sft_learns_and_exports_a_loadable_model(zero_runs, tracking_uri):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.common.models import load_tokenizer
+
+    manifest, run_id, model_dir = zero_runs[2]
+    evals = history(tracking_uri, run_id, "eval_loss")
+    assert evals[6] < evals[0] - 0.5  # eval loss fell well below its start
+    assert {"base_accuracy", "accuracy", "tokens_per_s"} <= manifest["metrics"].keys()
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 5
+
+    from mlflow.tracking import MlflowClient
+
+    files = {a.path for a in MlflowClient(tracking_uri).list_artifacts(run_id)}
+    assert "deepspeed_config.json" in files
+    assert torch.isfinite(torch.tensor(evals[6]))
+
+
+def test_interrupted_sft_resumes_from_its_checkpoint(zero_runs, tmp_path, tracking_uri, monkeypatch):
+    run_dir = tmp_path / "resume"
+    monkeypatch.setenv("PIPELINE_FAULT_AFTER_STEP", "3")
+    with pytest.raises(Exception, match="injected fault after step 3"):
+        run_sft(run_dir, tracking_uri, "stages.sft.max_failures=0")
+    assert not list((run_dir / "artifacts" / "sft").glob("*/manifest.json"))
+    monkeypatch.delenv("PIPELINE_FAULT_AFTER_STEP")
+
+    _, run_id, model_dir = run_sft(run_dir, tracking_uri, "stages.sft.max_failures=0")
+    assert min(history(tracking_uri, run_id, "train_loss")) == 4  # continued after step 3, did not restart
+    reference = weights(zero_runs[2][2])  # the same config (ZeRO-2), never interrupted
+    resumed = weights(model_dir)
+    for name in reference:
+        np.testing.assert_allclose(resumed[name], reference[name], atol=1e-5)

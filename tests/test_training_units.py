@@ -1,0 +1,66 @@
+"""Pure parts of the training stages: DeepSpeed config, step counts, Bradley-Terry loss, collation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import smoke_config
+from pipeline.errors import ConfigError
+from stages.common.deepspeed import DeepSpeedSection, TrainingConfig, deepspeed_config, merge
+from stages.reward import bradley_terry_loss
+from stages.reward import collate as reward_collate
+from stages.sft import collate, total_steps
+
+
+def test_bradley_terry_loss_matches_hand_computed_values():
+    rc, rr = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, 1.0])
+    expected = (-math.log(1 / (1 + math.exp(-2))) + math.log(2) - math.log(1 / (1 + math.exp(2)))) / 3
+    assert bradley_terry_loss(rc, rr).item() == pytest.approx(expected, rel=1e-6)
+    assert bradley_terry_loss(torch.tensor([50.0]), torch.tensor([-50.0])).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_deepspeed_config_from_typed_fields():
+    cfg = TrainingConfig(num_workers=2, batch_size=32, micro_batch_size=4, lr=1e-3, warmup_steps=5,
+                         deepspeed=DeepSpeedSection(zero_stage=3, offload_params=True, offload_optimizer=True,
+                                                    extra={"zero_optimization": {"reduce_bucket_size": 1000}}))
+    ds = deepspeed_config(cfg, total_steps=100, bf16=False)
+    assert ds["gradient_accumulation_steps"] == 4 and ds["train_batch_size"] == 32
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 1000  # the raw dict merges over, keeps the rest
+    assert ds["scheduler"]["type"] == "WarmupCosineLR" and ds["scheduler"]["params"]["total_num_steps"] == 100
+    assert merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}, "d": 4}) == {"a": {"b": 1, "c": 3}, "d": 4}
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("stages.sft.deepspeed.zero_stage=4", "stages.sft.deepspeed.zero_stage: input should be 0, 1, 2 or 3"),
+    ("stages.sft.batch_size=6", "stages.sft: batch_size (6) must be a multiple of micro_batch_size x num_workers"),
+    ("stages.reward.deepspeed.offload_params=true", "offload_params needs zero_stage 3"),
+    ("stages.sft.lr=-1", "stages.sft.lr: input should be greater than 0"),
+    ("stages.reward.init_from=nothing", "stages.reward.init_from: input should be 'sft' or 'base'"),
+])
+def test_bad_training_options_fail_at_validation(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, override)
+    assert expected in str(exc.value)
+
+
+def test_total_steps():
+    cfg = TrainingConfig(num_workers=2, batch_size=16, micro_batch_size=4, epochs=3)
+    assert total_steps(100, cfg) == 3 * (50 // 4) // 2  # 12 full micro-batches per worker per epoch, 2 per step
+    assert total_steps(100, cfg.model_copy(update={"max_steps": 5})) == 5
+
+
+def test_collate_masks_labels_and_pads():
+    batch = {"input_ids": np.array([np.array([5, 6, 7]), np.array([8, 9])], dtype=object),
+             "loss_mask": np.array([np.array([0, 1, 1]), np.array([0, 1])], dtype=object)}
+    out = collate(batch, pad_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert out["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
+    pairs = {"chosen_input_ids": np.array([np.array([1, 2])], dtype=object),
+             "rejected_input_ids": np.array([np.array([1, 3, 4])], dtype=object)}
+    assert reward_collate(pairs, pad_id=0)["input_ids"].tolist() == [[1, 2, 0], [1, 3, 4]]
