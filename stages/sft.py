@@ -135,8 +135,11 @@ def train_loop(c: dict) -> None:
             if step % cfg.eval_every == 0 or step == total:
                 metrics["eval_loss"] = _eval_loss(engine, evals, pad_id, cfg.micro_batch_size)
             log.log(metrics, step)
-            log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            if step % max(1, total // 40) == 0 or "eval_loss" in metrics:  # every step goes to MLflow
+                log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
             state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
+            if step == total:
+                metrics.update(training.peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
                 training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
                 if fault_armed and step >= fault_at:
@@ -145,7 +148,8 @@ def train_loop(c: dict) -> None:
         if engine.global_steps >= total:
             break
     if not metrics:  # resumed after the last step: report the final state again so the run ends on it
-        training.report(engine, state, {"step": engine.global_steps}, rank, with_checkpoint=True)
+        training.report(engine, state, {"step": engine.global_steps, **training.peak_memory(rank, world)}, rank,
+                        with_checkpoint=True)
 
 
 # --------------------------------------------------------------------------- the stage

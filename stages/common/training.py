@@ -37,6 +37,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
     from ray.train.torch import TorchConfig, TorchTrainer
 
     storage.mkdir(parents=True, exist_ok=True)
+    # Small enough to hold: materialised once, epochs re-read the object store, not the Parquet.
+    datasets = {name: ds.materialize() for name, ds in datasets.items()}
     trainer = TorchTrainer(
         loop,
         train_loop_config=loop_config,
@@ -163,6 +165,15 @@ def all_reduce_sum(values: list[float]) -> list[float]:
             t = t.cuda()
         dist.all_reduce(t)
     return t.cpu().tolist()
+
+
+def peak_memory(rank: int, world: int) -> dict[str, float]:
+    """Peak resident memory of every worker, in MB (collective: every rank must call it)."""
+    import resource
+
+    slots = [0.0] * world
+    slots[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {f"peak_rss_mb_rank{r}": v for r, v in enumerate(all_reduce_sum(slots))}
 
 
 def set_threads(world_size: int) -> None:

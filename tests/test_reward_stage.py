@@ -1,0 +1,52 @@
+"""The reward stage on Ray Train + DeepSpeed: a Bradley-Terry model learns a clear preference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from conftest import SMOKE, smoke_config
+from pipeline import artifacts
+from pipeline.runner import run_pipeline
+
+pytestmark = pytest.mark.slow
+
+
+def test_reward_model_learns_a_held_out_preference(ray_local, tmp_path, tracking_uri):
+    import torch
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.common.models import load_tokenizer
+
+    # Smoke-sized preference data with a preference a tiny model can learn in a few steps:
+    # a worked answer is preferred over a refusal.
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}",
+                                         "rejected": "I do not know."}) + "\n"
+                             for a in range(12) for b in range(10)))
+    cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}", f"stages.data.sources.preference=[{pairs}]",
+                       "stages.data.eval_fraction=0.25", "stages.sft.max_steps=2", "stages.sft.accuracy_prompts=0",
+                       "stages.reward.max_steps=10", "stages.reward.eval_every=5")
+    summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="reward")
+    manifest = summary["stages"]["reward"]
+    m = manifest["metrics"]
+    assert m["eval_accuracy"] >= 0.9 and m["eval_margin"] > 0  # chance is 0.5
+    first = MlflowClient(tracking_uri).get_metric_history(summary["run_ids"]["reward"], "eval_loss")
+    assert min(x.value for x in first if x.step == 10) < min(x.value for x in first if x.step == 0)
+
+    # The export is a one-logit sequence classifier that ranks a held-out pair the same way.
+    out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "reward", manifest["key"]))["reward_model"]
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = load_tokenizer(out)
+    assert model.config.num_labels == 1
+
+    def score(reply: str) -> float:
+        text = tok.apply_chat_template([{"role": "user", "content": "What is 30 + 4?"},
+                                        {"role": "assistant", "content": reply}], tokenize=False)
+        with torch.no_grad():
+            return model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits.item()
+
+    assert score("30 + 4 = 34") > score("I do not know.")
