@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -41,12 +40,6 @@ def bradley_terry_loss(r_chosen, r_rejected):
     import torch.nn.functional as F
 
     return -F.logsigmoid(r_chosen - r_rejected).mean()
-
-
-def total_steps(n_pairs: int, cfg: TrainingConfig) -> int:
-    micro_per_epoch = (n_pairs // cfg.num_workers) // cfg.micro_batch_size
-    steps = cfg.epochs * micro_per_epoch // cfg.grad_accum
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
 def collate(batch: dict, pad_id: int) -> dict:
@@ -164,9 +157,9 @@ def run(cfg: RewardConfig, ctx) -> dict[str, Path]:
     """Train with TorchTrainer and export the HF sequence-classification model."""
     import ray.data
 
-    from stages.common.deepspeed import bf16_supported, deepspeed_config, use_gpu
+    from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import load_tokenizer
-    from stages.common.training import fit
+    from stages.common.training import export, fit
 
     data = ctx.inputs["preference_data"]
     init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
@@ -176,7 +169,7 @@ def run(cfg: RewardConfig, ctx) -> dict[str, Path]:
         raise UserError(f"stages.reward: {n_pairs} training pairs make no full optimizer step with batch_size "
                         f"{cfg.batch_size}; lower stages.reward.batch_size or generate more pairs")
     gpu = use_gpu()
-    bf16 = cfg.deepspeed.precision == "bf16" or (cfg.deepspeed.precision == "auto" and bf16_supported(gpu))
+    bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
     tok = load_tokenizer(init)
@@ -190,10 +183,7 @@ def run(cfg: RewardConfig, ctx) -> dict[str, Path]:
     }, cfg, {"train": ray.data.read_parquet(str(data / "train")), "eval": ray.data.read_parquet(str(data / "eval"))},
         ctx.checkpoint_dir, gpu)
     out = ctx.out_dir / "model"
-    with result.checkpoint.as_directory() as d:
-        shutil.copytree(Path(d) / "hf", out)
-    tok.save_pretrained(out)
-    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    metrics = export(result, out, tok)
     ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}, "
                  f"mean margin {metrics.get('eval_margin', float('nan')):.3f}")
     ctx.log_metrics(metrics, step=steps)

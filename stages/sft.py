@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -35,13 +34,6 @@ class SFTConfig(TrainingConfig):
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def total_steps(n_train: int, cfg: TrainingConfig) -> int:
-    """Optimizer steps of the run: full micro-batches per worker, accumulated, over all epochs."""
-    micro_per_epoch = (n_train // cfg.num_workers) // cfg.micro_batch_size
-    steps = cfg.epochs * micro_per_epoch // cfg.grad_accum
-    return min(steps, cfg.max_steps) if cfg.max_steps else steps
 
 
 def collate(batch: dict, pad_id: int) -> dict:
@@ -166,9 +158,9 @@ def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     import ray.data
 
-    from stages.common.deepspeed import bf16_supported, deepspeed_config, use_gpu
+    from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import greedy_accuracy, load_tokenizer
-    from stages.common.training import fit
+    from stages.common.training import export, fit
 
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
     n_train = json.loads((data / "meta.json").read_text())["rows"]["train"]
@@ -177,7 +169,7 @@ def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
         raise UserError(f"stages.sft: {n_train} training rows make no full optimizer step with batch_size "
                         f"{cfg.batch_size}; lower stages.sft.batch_size or generate more data")
     gpu = use_gpu()
-    bf16 = cfg.deepspeed.precision == "bf16" or (cfg.deepspeed.precision == "auto" and bf16_supported(gpu))
+    bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
     tok = load_tokenizer(base)
@@ -191,10 +183,7 @@ def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
     }, cfg, {"train": ray.data.read_parquet(str(data / "train")), "eval": ray.data.read_parquet(str(data / "eval"))},
         ctx.checkpoint_dir, gpu)
     out = ctx.out_dir / "model"
-    with result.checkpoint.as_directory() as d:
-        shutil.copytree(Path(d) / "hf", out)
-    tok.save_pretrained(out)
-    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    metrics = export(result, out, tok)
     prompts = _read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
     if prompts:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts")

@@ -11,7 +11,8 @@ from pipeline.errors import ConfigError
 from stages.common.deepspeed import DeepSpeedSection, TrainingConfig, deepspeed_config, merge
 from stages.reward import bradley_terry_loss
 from stages.reward import collate as reward_collate
-from stages.sft import collate, total_steps
+from stages.common.deepspeed import total_steps
+from stages.sft import collate
 
 
 def test_bradley_terry_loss_matches_hand_computed_values():

@@ -73,6 +73,18 @@ class TrainingConfig(Section):
         return self.batch_size // (self.micro_batch_size * self.num_workers)
 
 
+def total_steps(n_rows: int, cfg: TrainingConfig) -> int:
+    """Optimizer steps of a run: full micro-batches per worker, accumulated, over all epochs."""
+    micro_per_epoch = (n_rows // cfg.num_workers) // cfg.micro_batch_size
+    steps = cfg.epochs * micro_per_epoch // cfg.grad_accum
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def use_bf16(ds: DeepSpeedSection, gpu: bool) -> bool:
+    """'bf16', or 'auto' on hardware that supports it."""
+    return ds.precision == "bf16" or (ds.precision == "auto" and bf16_supported(gpu))
+
+
 def use_gpu() -> bool:
     """True when this process sees a CUDA device (decides backend, accelerator and precision)."""
     import torch

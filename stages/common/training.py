@@ -37,8 +37,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
     from ray.train.torch import TorchConfig, TorchTrainer
 
     storage.mkdir(parents=True, exist_ok=True)
-    # Small enough to hold: materialised once, epochs re-read the object store, not the Parquet.
-    datasets = {name: ds.materialize() for name, ds in datasets.items()}
+    # Not materialised on purpose: a materialised dataset's blocks reach the workers in a
+    # timing-dependent split, which broke the same-data-every-run guarantee (ZeRO and resume tests).
     trainer = TorchTrainer(
         loop,
         train_loop_config=loop_config,
@@ -58,6 +58,16 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
         ),
     )
     return trainer.fit()
+
+
+def export(result, out: Path, tokenizer) -> dict[str, float]:
+    """Copy the final checkpoint's HF model (+ tokenizer) to `out`; return the final metrics."""
+    import shutil
+
+    with result.checkpoint.as_directory() as d:
+        shutil.copytree(Path(d) / "hf", out)
+    tokenizer.save_pretrained(out)
+    return {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
 
 
 # --------------------------------------------------------------------------- worker side
