@@ -44,14 +44,25 @@ def hash_json(data: Any, length: int = 16) -> str:
 
 
 def _module_file(module: str) -> Path | None:
-    """The source file of a module, found without importing it (its parent packages are imported)."""
-    import importlib.util
+    """The source file of a project module, found on disk without importing anything.
 
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):  # e.g. `from stages.common.tasks import TaskConfig` names a class
-        return None
-    return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+    (`importlib.util.find_spec` would import the parent modules, e.g. torch through
+    `stages.common.rl` for the name `stages.common.rl.gae`; `plan` must stay light.) A name
+    that is not a module (`from stages.common.tasks import TaskConfig`) gives None.
+    """
+    if module.split(".")[0] not in PROJECT_PACKAGES:  # a stage module from elsewhere (plugins, tests)
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            return None
+        return Path(spec.origin) if spec and spec.origin and spec.origin.endswith(".py") else None
+    base = PROJECT_ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
 
 
 def _imported_modules(path: Path) -> set[str]:

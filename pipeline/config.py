@@ -24,6 +24,7 @@ from pipeline.schema import Section
 from stages.common.models import ModelConfig
 from stages.common.tasks import TaskConfig
 from stages.data import DataConfig
+from stages.ppo import PPOConfig
 from stages.reward import RewardConfig
 from stages.sft import SFTConfig
 
@@ -67,6 +68,7 @@ class StagesConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="The data stage (Ray Data).")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + DeepSpeed).")
+    ppo: PPOConfig = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed roles).")
 
 
 class PipelineConfig(Section):
@@ -94,6 +96,18 @@ class PipelineConfig(Section):
         if self.model.is_builtin and self.stages.data.max_len > limit:
             raise ValueError(f"stages.data.max_len ({self.stages.data.max_len}) exceeds "
                              f"model.builtin.max_position_embeddings ({limit}); lower one or raise the other")
+        return self
+
+    @model_validator(mode="after")
+    def _fits_local_ray(self) -> "PipelineConfig":
+        # A local Ray's size is known now; a cluster's is checked when the stage starts.
+        if self.ray.address or os.environ.get("RAY_ADDRESS"):
+            return self
+        ppo, have = self.stages.ppo, self.ray.local_num_cpus()
+        if ppo.cpus_needed() > have:
+            raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
+                             f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
+                             "fewer engines or ranks, or raise ray.num_cpus")
         return self
 
     @property

@@ -32,4 +32,6 @@ STAGES: tuple[StageSpec, ...] = (
               "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens"),
     StageSpec("reward", "stages.reward", "stages.reward", ("seed",), ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs"),
+    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
+              ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced"),
 )

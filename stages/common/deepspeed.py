@@ -118,9 +118,8 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
-    """The DeepSpeed config dict for a run of `total_steps` optimizer steps."""
-    ds = cfg.deepspeed
+def zero_section(ds: DeepSpeedSection) -> dict[str, Any]:
+    """The `zero_optimization` block of a DeepSpeed config from the typed fields."""
     zero: dict[str, Any] = {"stage": ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -129,6 +128,12 @@ def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
     if ds.zero_stage == 3:
         # Gather the full weights on save, so checkpoints hold a loadable HF model.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return zero
+
+
+def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
+    """The DeepSpeed config dict for a run of `total_steps` optimizer steps."""
+    ds = cfg.deepspeed
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     if cfg.lr_schedule == "constant":
         scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
@@ -149,7 +154,7 @@ def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
                                                   "betas": [0.9, 0.95], "eps": 1e-8}},
         "scheduler": scheduler,
-        "zero_optimization": zero,
+        "zero_optimization": zero_section(ds),
         "bf16": {"enabled": bf16},
         "steps_per_print": 10**9,  # progress is ours (MLflow + console), not DeepSpeed's prints
         "wall_clock_breakdown": False,

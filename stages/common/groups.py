@@ -1,0 +1,129 @@
+"""WholeModel / Workhorse: one model placed on a group of Ray actors, driven through a proxy.
+
+    group = ModelGroup("policy", PPOWorker, num_ranks=2, cpus_per_rank=1, gpu=False)
+    refs = group.run("setup", spec)              # same call on every rank -> one ref per rank
+    refs = group.run_each("train", shards)       # rank r gets shards[r]
+    group.get("logprobs", batch)                 # run + ray.get
+
+A model is a *group* of Ray actors (the Workhorses), each holding one rank of it; the group's
+ranks form their own torch process group (gloo on CPU, NCCL on GPU, `stages.common.deepspeed
+.backend`), so DeepSpeed inside them shards, all-reduces and gathers exactly as under any
+launcher. The `ModelGroup` proxy (the WholeModel) fans a method call out to the ranks and hands
+back their refs: traffic *between* models is Ray calls between groups, traffic *inside* a model
+is collectives. The calls are explicit method names returning refs, like OpenRLHF's
+`RayActorGroup.async_run_method` (no dispatch decorators): what runs where reads in the driver.
+
+Placement: one placement group per model, one bundle per rank, strategy from the config (PACK
+keeps a model's ranks together, SPREAD puts them on different nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+
+class Workhorse:
+    """Base of a rank actor: joins the group's process group. Subclasses add the model's methods."""
+
+    def __init__(self, group: str, rank: int, world: int, env: dict[str, str]):
+        os.environ.update(env)  # e.g. DS_ACCELERATOR=cpu, read when deepspeed is imported
+        self.group, self.rank, self.world = group, rank, world
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free port: rank 0 hosts the group's rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, addr: str, port: int, backend: str) -> int:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        # The env:// names DeepSpeed and torch read; LOCAL_RANK 0 because Ray gives each actor its own GPU.
+        os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(self.rank),
+                           "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+                                timeout=datetime.timedelta(minutes=30))
+        if backend == "gloo":
+            import ray
+
+            # Use the cores Ray granted this actor, not every core of the node (co-located ranks).
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+            torch.set_num_threads(max(1, int(cpus)))
+        return self.rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class ModelGroup:
+    """Proxy for one model placed on `num_ranks` Workhorse actors (one placement-group bundle each)."""
+
+    def __init__(self, name: str, actor_cls: type, num_ranks: int, cpus_per_rank: float, gpu: bool,
+                 strategy: str = "PACK", env: dict[str, str] | None = None, runtime_env: dict | None = None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from stages.common.deepspeed import backend
+
+        self.name = name
+        bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if gpu else {})}
+        self.pg = placement_group([bundle] * num_ranks, strategy=strategy, name=f"{name}-group")
+        ray.get(self.pg.ready(), timeout=300)
+        remote = ray.remote(actor_cls)
+        self.actors = [
+            remote.options(num_cpus=cpus_per_rank, num_gpus=1 if gpu else 0, runtime_env=runtime_env,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
+            .remote(name, r, num_ranks, env or {})
+            for r in range(num_ranks)
+        ]
+        addr, port = ray.get(self.actors[0].master_address.remote())
+        ray.get([a.init_process_group.remote(addr, port, backend(gpu)) for a in self.actors])
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """The same call on every rank; one ObjectRef per rank (collective methods need all ranks)."""
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def run_each(self, method: str, per_rank: list, **kwargs: Any) -> list:
+        """Rank r is called with `per_rank[r]` (its data-parallel share); one ObjectRef per rank."""
+        if len(per_rank) != len(self.actors):
+            raise ValueError(f"{self.name}: {len(per_rank)} shards for {len(self.actors)} ranks")
+        return [getattr(a, method).remote(x, **kwargs) for a, x in zip(self.actors, per_rank)]
+
+    def get(self, method: str, *args: Any, **kwargs: Any) -> list:
+        import ray
+
+        return ray.get(self.run(method, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # already gone
+                pass
+        remove_placement_group(self.pg)
+
+
+def shard(items: list, n: int) -> list[list]:
+    """Split `items` into `n` contiguous, near-equal shares (data-parallel split; order kept)."""
+    k, extra = divmod(len(items), n)
+    out, start = [], 0
+    for r in range(n):
+        end = start + k + (1 if r < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out

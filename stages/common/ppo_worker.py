@@ -1,0 +1,251 @@
+"""The Workhorse of every PPO role: one rank of the policy, critic, reference or reward model.
+
+The PPO driver (`stages/ppo.py`) places each role on a `ModelGroup` of these actors and calls
+them by name; this file is what runs inside one rank. A rank holds its model under DeepSpeed
+(ZeRO 0-3 from the role's YAML section; trainable roles get an AdamW optimizer, frozen ones are
+wrapped without one, so ZeRO-3 still shards them), and answers:
+
+    setup(spec)              load the role's model from an HF directory
+    generate(...)            policy ranks: send their prompt share to rollout engines
+    logprobs(batch)          policy / reference: log p of each response token
+    values(batch)            critic: V(s) before each response token
+    scores(pairs)            reward model: one scalar per (prompt, response)
+    train_policy / train_critic   PPO epochs over this rank's share of the rollouts
+    export_weights()         full weights into the object store once (rank 0 returns the ref)
+    save / load              DeepSpeed checkpoints (optimizer included) for resuming
+    save_hf(dir)             the trained policy as an HF directory
+
+Batches are dicts of tensors built by the driver (`stages.ppo.make_batch`): prompts left-padded
+to one width `P`, responses right-padded, so every response token t sits at column P + t and its
+logit at column P + t - 1 for every row alike.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from stages.common.groups import Workhorse
+
+
+def _response_slice(batch: dict, x):
+    """Columns that predict the response tokens: logits/hidden states at P-1 ... P+T-2."""
+    p, t = batch["prompt_width"], batch["response_mask"].shape[1]
+    return x[:, p - 1 : p - 1 + t]
+
+
+def _micro_batches(batch: dict, size: int, generator):
+    """Shuffled micro-batches of `size` rows (tensor entries sliced, scalars kept)."""
+    import torch
+
+    n = batch["input_ids"].shape[0]
+    order = torch.randperm(n, generator=generator)
+    for i in range(0, n - size + 1, size):
+        idx = order[i : i + size]
+        yield {k: (v[idx] if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+class PPOWorker(Workhorse):
+    """One rank of one PPO role (see the module docstring for its calls)."""
+
+    # --------------------------------------------------------------- set-up
+
+    def setup(self, spec: dict) -> int:
+        """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed."""
+        import deepspeed
+        import torch
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        from stages.common.models import count_parameters, load_tokenizer
+
+        torch.manual_seed(spec["seed"] + self.rank)
+        self.spec, self.kind = spec, spec["kind"]
+        self.generator = torch.Generator().manual_seed(spec["seed"] * 1000 + self.rank)
+        if self.kind == "causal":
+            model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1,
+                                                                       dtype=torch.float32)
+            model.config.pad_token_id = spec["pad_id"]
+        if spec.get("activation_checkpointing"):
+            model.gradient_checkpointing_enable()
+        if self.kind == "reward":
+            self.tokenizer = load_tokenizer(spec["model_dir"])
+        if spec["trainable"]:
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=spec["ds_config"])
+        else:
+            model.requires_grad_(False)
+            self.engine, *_ = deepspeed.initialize(model=model, config=spec["ds_config"])
+            self.engine.eval()
+        return count_parameters(model)
+
+    # --------------------------------------------------------------- rollouts
+
+    def generate(self, prompt_ids: list[list[int]], engines: list, sampling: dict) -> list[list[dict]]:
+        """This rank's prompts, spread over its engines: rank r uses engines r, r+W, r+2W, ... (or r mod N).
+
+        Any rank can call any engine: with fewer engines than ranks several ranks share one;
+        with more, each rank drives several concurrently.
+        """
+        import ray
+
+        from stages.common.groups import shard
+
+        mine = [e for i, e in enumerate(engines) if i % self.world == self.rank % len(engines)] \
+            if len(engines) >= self.world else [engines[self.rank % len(engines)]]
+        parts = shard(prompt_ids, len(mine))
+        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(mine, parts) if p])
+        return [s for part in outs for s in part]
+
+    # --------------------------------------------------------------- forward passes
+
+    def _forward(self, batch: dict):
+        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"])
+
+    def _logprobs(self, batch: dict, with_entropy: bool = False):
+        from stages.common.rl import entropy_from_logits, logprobs_from_logits
+
+        logits = _response_slice(batch, self._forward(batch).logits)
+        logp = logprobs_from_logits(logits, batch["response_ids"])
+        return (logp, entropy_from_logits(logits)) if with_entropy else logp
+
+    def _values(self, batch: dict):
+        # A sequence classifier pools its score head at the last token; the critic needs it at
+        # every position, so run the backbone and apply the head to all hidden states.
+        module = self.engine.module
+        hidden = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              position_ids=batch["position_ids"]).last_hidden_state
+        return _response_slice(batch, module.score(hidden)).squeeze(-1).float()
+
+    def logprobs(self, batch: dict, micro: int):
+        """log p(response token) under this model, (B, T); no gradient."""
+        import torch
+
+        with torch.no_grad():
+            return torch.cat([self._logprobs(b) for b in _chunks(batch, micro)])
+
+    def values(self, batch: dict, micro: int):
+        import torch
+
+        with torch.no_grad():
+            return torch.cat([self._values(b) for b in _chunks(batch, micro)])
+
+    def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[float]:
+        """Reward-model score of each (prompt, response), formatted as in its training data."""
+        import torch
+
+        from stages.common.training import pad
+
+        tok = self.tokenizer
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                                         tokenize=False) for p, r in pairs]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        out = []
+        with torch.no_grad():
+            for i in range(0, len(ids), micro):
+                input_ids, attn = pad(ids[i : i + micro], tok.pad_token_id)
+                out += self.engine(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()
+        return out
+
+    # --------------------------------------------------------------- training
+
+    def train_policy(self, batch: dict, hp: dict) -> dict[str, float]:
+        """`hp['epochs']` passes of clipped-PPO updates over this rank's rollouts."""
+        from stages.common.rl import kl_penalty, masked_mean, policy_loss
+
+        self.engine.train()
+        stats: dict[str, list[float]] = {"policy_loss": [], "clip_frac": [], "approx_kl": [], "entropy": []}
+        t0 = time.time()
+        for _ in range(hp["epochs"]):
+            for mb in _micro_batches(batch, hp["micro"], self.generator):
+                mask = mb["response_mask"]
+                logp, entropy = self._logprobs(mb, with_entropy=True)
+                loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps"])
+                ent = masked_mean(entropy, mask)
+                loss = loss - hp["entropy_coef"] * ent
+                if hp["kl_loss_coef"]:  # GRPO: KL to the reference in the loss, not in the reward
+                    loss = loss + hp["kl_loss_coef"] * masked_mean(kl_penalty(logp, mb["ref_logprobs"], "k3"), mask)
+                self.engine.backward(loss)
+                self.engine.step()
+                stats["policy_loss"].append(loss.item())
+                stats["clip_frac"].append(s["clip_frac"])
+                stats["approx_kl"].append(s["approx_kl"])
+                stats["entropy"].append(ent.item())
+        return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, "policy_train_s": time.time() - t0}
+
+    def train_critic(self, batch: dict, hp: dict) -> dict[str, float]:
+        from stages.common.rl import value_loss
+
+        self.engine.train()
+        losses, clipped = [], []
+        t0 = time.time()
+        for _ in range(hp["epochs"]):
+            for mb in _micro_batches(batch, hp["micro"], self.generator):
+                loss, s = value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["response_mask"],
+                                     hp["value_clip"])
+                self.engine.backward(loss)
+                self.engine.step()
+                losses.append(loss.item())
+                clipped.append(s["value_clip_frac"])
+        return {"value_loss": sum(losses) / max(len(losses), 1),
+                "value_clip_frac": sum(clipped) / max(len(clipped), 1), "critic_train_s": time.time() - t0}
+
+    # --------------------------------------------------------------- weights and checkpoints
+
+    def export_weights(self) -> list | None:
+        """Full weights as numpy into the object store, once (collective under ZeRO-3: gathered first).
+
+        Rank 0 returns `[ref, bytes]`: the ref wrapped in a list so the driver receives the ref itself and hands
+        it on to the engines, instead of Ray resolving (copying) the weights into the driver.
+        """
+        import deepspeed
+        import ray
+
+        from stages.common.rollout import nbytes, weights_to_numpy
+
+        params = list(self.engine.module.parameters())
+        zero3 = self.engine.zero_optimization_stage() == 3
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
+            if self.rank != 0:
+                return None
+            weights = weights_to_numpy(self.engine.module.state_dict())
+            return [ray.put(weights), nbytes(weights)]
+
+    def save(self, directory: str) -> None:
+        self.engine.save_checkpoint(directory, tag="ds", exclude_frozen_parameters=False)
+
+    def load(self, directory: str) -> None:
+        self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
+
+    def save_hf(self, directory: str) -> None:
+        from stages.common.training import save_hf
+
+        save_hf(self.engine, Path(directory), self.rank)
+
+
+def _chunks(batch: dict, size: int):
+    """Consecutive row chunks of `size` (order kept, last one may be short)."""
+    import torch
+
+    n = batch["input_ids"].shape[0]
+    for i in range(0, n, size):
+        yield {k: (v[i : i + size] if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def shard_batch(batch: dict, n: int) -> list[dict]:
+    """Split a batch's rows into `n` contiguous shares (the data-parallel split)."""
+    import torch
+
+    k, extra = divmod(batch["input_ids"].shape[0], n)
+    bounds = [r * k + min(r, extra) for r in range(n + 1)]
+    return [{key: (v[bounds[r] : bounds[r + 1]] if torch.is_tensor(v) else v) for key, v in batch.items()}
+            for r in range(n)]
+
+
+def concat(parts: list[Any]):
+    import torch
+
+    return torch.cat(parts)

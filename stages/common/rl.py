@@ -1,0 +1,245 @@
+"""The pure math of PPO and GRPO: advantages, KL penalties, clipped losses, whitening.
+
+Why a module of its own: these few formulas decide whether RL training works, and every bug in
+them is silent (the loss still goes down). Kept as small functions on tensors, with no Ray,
+vLLM or DeepSpeed in sight, each one is checked against hand-computed values in
+`tests/test_rl_math.py` (DESIGN.md §4.5), and the PPO stage only wires them together.
+
+Conventions: response tensors are (B, T) for B sequences of T response tokens, right-padded;
+`mask` is (B, T), 1 (or True) on real response tokens and 0 on padding. Anything at a masked
+position is ignored, whatever its value, so callers never need to zero padding first.
+
+Run the checks: `.venv/bin/python -m pytest tests/test_rl_math.py -q`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_CONTROLLERS = ("fixed", "adaptive")
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `x` over entries where `mask` is set: a scalar (dim=None) or along `dim`.
+
+    Padding must not count, or a batch of short answers would dilute every loss. `where` rather
+    than multiplying by the mask, so a NaN or inf at a padded position cannot leak in; an empty
+    mask gives 0 instead of 0/0.
+    """
+    mask = mask.to(x.dtype)
+    kept = torch.where(mask.bool(), x, torch.zeros_like(x))
+    if dim is None:
+        return kept.sum() / mask.sum().clamp(min=1)
+    return kept.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked entries; padded entries of the result are 0.
+
+    Whitening advantages keeps the policy step size independent of the reward scale. With
+    `shift_mean=False` the mean is added back (only the scale changes), as TRL and OpenRLHF do
+    for rewards, so their sign still says "better or worse than zero".
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)  # population variance (unbiased=False)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+# --------------------------------------------------------------------------- from logits
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) per position: logits (B, T, V), labels (B, T) -> (B, T), in float32.
+
+    float32 because bf16 log-softmax loses the small differences between the policy and the old
+    policy that the PPO ratio exp(logp - old_logp) is made of.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution per position: (B, T, V) -> (B, T), in float32.
+
+    H = logsumexp(z) - sum p*z, which avoids log(p) of tiny probabilities. Logged to watch for
+    the policy collapsing onto one answer.
+    """
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+# --------------------------------------------------------------------------- rewards and advantages
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
+
+    k1 = log r is unbiased but can be negative per token; k2 = (log r)^2 / 2 is low-variance but
+    biased; k3 = 1/r - 1 + log r is unbiased and never negative (r = p / p_ref).
+    """
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"kl estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """Per-token rewards (B, T): -kl_coef * kl on every real token, plus the score on the last.
+
+    The reward model (or verifier) judges the whole answer, so its score (B,) arrives at the
+    final token (index mask.sum(1) - 1, which assumes right padding); the KL penalty is paid
+    token by token. A row with no response tokens gets nothing.
+    """
+    rewards = torch.where(mask.bool(), -kl_coef * kl, torch.zeros_like(kl))
+    lengths = mask.long().sum(1)
+    last = (lengths - 1).clamp(min=0).unsqueeze(1)
+    bonus = torch.where(lengths > 0, scores.to(rewards.dtype), torch.zeros_like(scores, dtype=rewards.dtype))
+    return rewards.scatter_add(1, last, bonus.unsqueeze(1))
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016): (advantages, returns), each (B, T).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, run backwards
+    with V = 0 after the last token. Rewards and values at padded positions count as 0, so the
+    value after a row's last real token is 0 and padding adds nothing. Both outputs are targets,
+    not functions of the model: the inputs are detached.
+    """
+    keep = mask.bool()
+    rewards = torch.where(keep, rewards.detach(), torch.zeros_like(rewards))
+    values = torch.where(keep, values.detach(), torch.zeros_like(values))
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
+    return advantages, advantages + values
+
+
+def grpo_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's advantage (Shao et al. 2024): each score standardized within its prompt's group.
+
+    scores is (B,) with B = n_prompts * group_size and each prompt's samples contiguous. The
+    group mean is the baseline, so no value model is needed; a group of equal scores (all right
+    or all wrong) gives zeros and teaches nothing, which is the intent.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if scores.dim() != 1 or scores.shape[0] % group_size != 0:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}, got shape "
+            f"{tuple(scores.shape)}; generate group_size samples per prompt"
+        )
+    groups = scores.float().view(-1, group_size)
+    mean = groups.mean(dim=1, keepdim=True)
+    std = groups.std(dim=1, unbiased=False, keepdim=True)
+    return ((groups - mean) / (std + eps)).view(-1)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate loss (Schulman et al. 2017), averaged over real tokens.
+
+    Taking the max of the two negated terms is the pessimistic bound: once the ratio has moved
+    more than clip_eps in the direction the advantage rewards, the clipped term wins and its
+    gradient is zero, so one batch cannot push the policy far. clip_frac is the share of tokens
+    where that happened; approx_kl (k2 between new and old policy) shows how far the step went.
+    """
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
+            "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_value: float | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Squared error of the value head against the GAE returns, optionally clipped like PPO.
+
+    Clipping keeps the new value within clip_value of the one used to compute the advantages,
+    taking the worse of the clipped and unclipped errors; None turns it off.
+    value_clip_frac is the share of tokens where the clipped error was the larger one.
+    """
+    unclipped = (values - returns) ** 2
+    if clip_value is None:
+        return 0.5 * masked_mean(unclipped, mask), {"value_clip_frac": 0.0}
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_value, clip_value)
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        frac = masked_mean((clipped > unclipped).float(), mask).item()
+    return loss, {"value_clip_frac": frac}
+
+
+# --------------------------------------------------------------------------- KL coefficient
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` exists so the PPO loop treats both kinds alike."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = coef
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """A KL coefficient steered toward a target KL (Ziegler et al. 2019, as in TRL).
+
+    The error current_kl / target - 1 is clipped to +-0.2 so one noisy batch cannot swing the
+    coefficient; `horizon` is how many samples a full correction takes.
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
+        self.value = init_coef
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        proportional_error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + proportional_error * n_steps / self.horizon
+
+
+def kl_controller(
+    kind: str, coef: float, target: float | None = None, horizon: int | None = None
+) -> FixedKLController | AdaptiveKLController:
+    """The KL controller named by the config: "fixed" or "adaptive" (which needs target, horizon)."""
+    if kind == "fixed":
+        return FixedKLController(coef)
+    if kind == "adaptive":
+        if target is None or target <= 0 or horizon is None or horizon <= 0:
+            raise ValueError(
+                f"adaptive kl controller needs target > 0 and horizon > 0, got target={target}, horizon={horizon}"
+            )
+        return AdaptiveKLController(coef, target, horizon)
+    raise ValueError(f"kl controller must be one of {', '.join(KL_CONTROLLERS)}, got {kind!r}")

@@ -1,0 +1,248 @@
+"""Rollout engines: vLLM as Ray actors, and zero-copy weight sync through the object store.
+
+    pool = EnginePool(model_dir, EngineSpec(...), num_engines=2)   # N engines, one Ray actor each
+    pool.sync(weights_ref)             # every engine loads the policy's weights from one ray.put
+    ray.get(pool.engines[0].generate.remote(prompt_ids, sampling))  # any rank can call any engine
+
+Why these choices (DESIGN.md §2.4, §2.8):
+- Each engine runs `LLM(..., distributed_executor_backend="uni")` with
+  `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the model lives inside the actor process and weights
+  handed to it never cross another process boundary (through the multiprocess executor, tensors
+  in a dict arrive as lists).
+- Weights travel as a dict of numpy arrays put into the Ray object store once
+  (`weights_to_numpy` + `ray.put`). Each engine receives the ref as a task argument: Ray maps the
+  arrays read-only from shared memory on the same node, and `torch.from_numpy` wraps them without
+  a copy. Pickling the state dict to each engine instead costs ~6x more (bench/rollout_bench.py).
+- The load goes through a `worker_extension_cls` method doing vLLM's layerwise reload
+  (`initialize_layerwise_reload` / `load_weights` / `finalize_layerwise_reload`): a plain
+  `load_weights` fails on the CPU worker (`Parameter has no attribute weight_loader`). It is not
+  named `update_weights`, which the CPU worker already has. The prefix cache is then cleared, so
+  no KV block computed with old weights is reused.
+- bf16 has no numpy dtype: such tensors travel as their int16 bit pattern and are viewed back
+  as bf16 on arrival (still zero-copy).
+
+The same code runs on a GPU (vLLM CUDA build, `num_gpus=1` per engine): only `EngineSpec` changes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+EXTENSION = "stages.common.rollout.WeightSyncExtension"
+BF16_TAG = "__bf16__"
+
+
+# --------------------------------------------------------------------------- weights as numpy
+
+
+def weights_to_numpy(state_dict: dict) -> dict[str, Any]:
+    """A torch state dict -> {name: numpy array} for `ray.put` (tied duplicates dropped, bf16 as int16 bits)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, t in state_dict.items():
+        t = t.detach().cpu().contiguous()
+        if t.data_ptr() in seen and t.numel():  # tied weights (lm_head = embed_tokens): send once
+            continue
+        seen.add(t.data_ptr())
+        if t.dtype == torch.bfloat16:
+            out[name + BF16_TAG] = t.view(torch.int16).numpy()
+        else:
+            out[name] = t.numpy()
+    return out
+
+
+def numpy_to_tensors(weights: dict[str, Any]):
+    """{name: numpy array} -> iterator of (name, tensor) sharing the arrays' memory (no copy)."""
+    import warnings
+
+    import torch
+
+    for name, arr in weights.items():
+        with warnings.catch_warnings():  # object-store arrays are read-only; vLLM only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(arr)
+        if name.endswith(BF16_TAG):
+            yield name.removesuffix(BF16_TAG), t.view(torch.bfloat16)
+        else:
+            yield name, t
+
+
+def nbytes(weights: dict[str, Any]) -> int:
+    return int(sum(a.nbytes for a in weights.values()))
+
+
+# --------------------------------------------------------------------------- inside vLLM's worker
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs where the model lives."""
+
+    def load_synced_weights(self, weights: dict[str, Any]) -> int:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        initialize_layerwise_reload(model)
+        model.load_weights(weights=numpy_to_tensors(weights))
+        finalize_layerwise_reload(model, self.model_config)
+        _refresh_tied_head(model)
+        return len(weights)
+
+
+def _refresh_tied_head(model) -> None:
+    import torch
+
+    """Re-pack a tied LM head from the freshly loaded embedding.
+
+    With tied embeddings the checkpoint has no `lm_head.weight`, so the layerwise reload never
+    reprocesses the head ("ParallelLMHead: Failed to load weights" in vLLM's log). Its storage is
+    the embedding's and so already holds the new values, but on CPU the head multiplies through
+    a oneDNN handle packed from the *old* weights at start-up: without this, logits come from
+    the old policy. Re-running its `process_weights_after_loading` re-packs it (a no-op on GPU).
+    """
+    by_storage: dict[int, list] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.numel():
+            by_storage.setdefault(weight.data_ptr(), []).append(module)
+    for modules in by_storage.values():
+        if len(modules) < 2:  # not tied
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+
+
+# --------------------------------------------------------------------------- the engine actor
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build one engine (plain data, shipped to the actor)."""
+
+    max_model_len: int
+    seed: int = 0
+    dtype: str = "float32"
+    gpu: bool = False
+    kv_cache_gb: float = 1.0
+    gpu_memory_utilization: float = 0.3
+    num_cpus: float = 1.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def runtime_env(self) -> dict:
+        # Read by vLLM at import and engine start, so they must be in the actor's environment.
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gb))),
+               "TOKENIZERS_PARALLELISM": "false", **self.env}
+        return {"env_vars": env}
+
+
+class RolloutEngine:
+    """One vLLM engine in a Ray actor: generates token ids, loads synced weights."""
+
+    def __init__(self, model_dir: str, spec: EngineSpec, index: int):
+        import torch
+        from vllm import LLM
+
+        if not spec.gpu:
+            # One engine per logical CPU slot; let its matmuls use the cores Ray gave it.
+            torch.set_num_threads(max(1, int(spec.num_cpus)))
+        self.index = index
+        self.llm = LLM(
+            model=model_dir, dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
+            distributed_executor_backend="uni", enforce_eager=not spec.gpu,
+            gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
+            enable_prefix_caching=True,
+        )
+
+    def generate(self, prompt_ids: list[list[int]], sampling: dict) -> list[list[dict]]:
+        """For each prompt, `sampling['n']` samples: [{'ids': [...], 'finished': bool}, ...]."""
+        from vllm import SamplingParams
+
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(**sampling),
+                                 use_tqdm=False)
+        return [[{"ids": list(c.token_ids), "finished": c.finish_reason == "stop"} for c in o.outputs] for o in outs]
+
+    def load_weights(self, weights: dict[str, Any]) -> float:
+        """Load the policy's weights (a ref resolved by Ray: zero-copy numpy); returns seconds taken."""
+        t0 = time.time()
+        self.llm.collective_rpc("load_synced_weights", args=(weights,))
+        self.llm.reset_prefix_cache()
+        return time.time() - t0
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+class EnginePool:
+    """`num_engines` RolloutEngine actors; restarts dead ones and brings them to the current weights."""
+
+    def __init__(self, model_dir: str, spec: EngineSpec, num_engines: int, strategy: str = "SPREAD"):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.model_dir, self.spec, self.restarts = model_dir, spec, 0
+        bundle = {"CPU": spec.num_cpus, **({"GPU": 1} if spec.gpu else {})}
+        self.pg = placement_group([bundle] * num_engines, strategy=strategy)
+        ray.get(self.pg.ready(), timeout=120)
+        self.engines = [self._start(i) for i in range(num_engines)]
+        ray.get([e.ping.remote() for e in self.engines])
+        self.weights_ref = None  # the last synced weights, to bring a restarted engine up to date
+
+    def _start(self, index: int):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        actor = ray.remote(RolloutEngine).options(
+            num_cpus=self.spec.num_cpus, num_gpus=1 if self.spec.gpu else 0, runtime_env=self.spec.runtime_env(),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
+            name=None, max_concurrency=1,
+        )
+        return actor.remote(self.model_dir, self.spec, index)
+
+    def sync(self, weights_ref) -> float:
+        """Every engine loads the weights behind `weights_ref` (one object, read in place); wall seconds."""
+        import ray
+
+        t0 = time.time()
+        self.weights_ref = weights_ref
+        ray.get([e.load_weights.remote(weights_ref) for e in self.engines])
+        return time.time() - t0
+
+    def revive(self) -> list[int]:
+        """Restart every engine that no longer answers, and re-sync it; returns the restarted indices."""
+        import ray
+
+        dead = []
+        for i, engine in enumerate(self.engines):
+            try:
+                ray.get(engine.ping.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                dead.append(i)
+        for i in dead:
+            try:
+                ray.kill(self.engines[i])
+            except Exception:  # already gone
+                pass
+            self.engines[i] = self._start(i)
+            self.restarts += 1
+        if dead:
+            ray.get([self.engines[i].ping.remote() for i in dead])
+            if self.weights_ref is not None:
+                ray.get([self.engines[i].load_weights.remote(self.weights_ref) for i in dead])
+        return dead
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for e in self.engines:
+            try:
+                ray.kill(e)
+            except Exception:
+                pass
+        remove_placement_group(self.pg)

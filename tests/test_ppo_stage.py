@@ -1,0 +1,94 @@
+"""The ppo stage end to end on smoke data: real vLLM engines, DeepSpeed roles, weight sync every iteration."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from conftest import SMOKE, smoke_config
+from pipeline import artifacts
+from pipeline.runner import run_pipeline
+
+pytestmark = pytest.mark.slow
+
+# A reward the smoke policy can learn in a few iterations (share of digit characters), no KL brake,
+# and a large learning rate: what is under test is that the loop improves the policy at all.
+# (The resume test keeps smoke.yaml's reward-model weight, so the reward role runs there.)
+LEARN = ["stages.ppo.rewards.rule=helpers.toy_rewards:digits", "stages.ppo.kl.coef=0.0",
+         "stages.ppo.policy.lr=0.001", "stages.ppo.critic.lr=0.001", "stages.ppo.iterations=20",
+         "stages.ppo.ppo_epochs=2", "stages.ppo.checkpoint_every=10",
+         "stages.sft.accuracy_prompts=0"]
+
+
+def run_ppo(run_dir, tracking_uri, *overrides):
+    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
+    summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="ppo")
+    manifest = summary["stages"]["ppo"]
+    out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "ppo", manifest["key"]))
+    return manifest, summary["run_ids"]["ppo"], out["policy_model"]
+
+
+def history(tracking_uri, run_id, key) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    return {m.step: m.value for m in MlflowClient(tracking_uri).get_metric_history(run_id, key)}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """One run directory for the module: upstream stages run once, each PPO variant has its own key."""
+    return tmp_path_factory.mktemp("ppo")
+
+
+@pytest.fixture(scope="module")
+def ppo_run(ray_local, run_dir, tracking_uri, monkeypatch_module):
+    """One PPO run in which rollout engine 0 is killed at iteration 3 (index 2)."""
+    monkeypatch_module.setenv("PIPELINE_FAULT_KILL_ENGINE_AT", "2")
+    try:
+        return run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.rewards.model_weight=0")
+    finally:
+        monkeypatch_module.delenv("PIPELINE_FAULT_KILL_ENGINE_AT")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_ppo_raises_the_reward(ppo_run, tracking_uri):
+    _, run_id, _ = ppo_run
+    reward = history(tracking_uri, run_id, "reward_mean")
+    assert sorted(reward) == list(range(1, 21))
+    first, last = sum(reward[i] for i in (1, 2, 3, 4)) / 4, sum(reward[i] for i in (17, 18, 19, 20)) / 4
+    assert last > first + 0.1, reward  # the mean share of digits rose by more than 0.1
+    # every iteration logged the PPO diagnostics and the time split
+    for key in ("kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_length", "generate_s",
+                "score_s", "train_s", "sync_s", "sync_mb", "gen_tokens_per_s"):
+        assert len(history(tracking_uri, run_id, key)) >= 20, key
+
+
+def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    manifest, _, model_dir = ppo_run
+    assert manifest["metrics"]["engine_restarts"] == 1
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # the trained policy, HF format
+    out = model.generate(torch.tensor([[1, 5, 6]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 6)
+    assert {"eval_accuracy_before", "eval_accuracy", "eval_sign_test_p"} <= manifest["metrics"].keys()
+
+
+def test_interrupted_ppo_resumes_from_its_checkpoint(ray_local, run_dir, tracking_uri, monkeypatch):
+    short = [*LEARN, "stages.ppo.iterations=4", "stages.ppo.checkpoint_every=2", "stages.ppo.eval_prompts=0",
+             "stages.ppo.algorithm=grpo"]
+    monkeypatch.setenv("PIPELINE_FAULT_AFTER_ITERATION", "2")
+    with pytest.raises(Exception, match="injected fault after iteration 2"):
+        run_ppo(run_dir, tracking_uri, *short)
+    finished = set((run_dir / "artifacts" / "ppo").glob("*/manifest.json"))
+    monkeypatch.delenv("PIPELINE_FAULT_AFTER_ITERATION")
+    manifest, run_id, _ = run_ppo(run_dir, tracking_uri, *short)
+    assert run_dir / "artifacts" / "ppo" / manifest["key"] / "manifest.json" not in finished  # no manifest before
+    assert sorted(history(tracking_uri, run_id, "reward_mean")) == [3, 4]  # continued after iteration 2

@@ -1,0 +1,81 @@
+"""PPO stage without Ray: config validation, batch layout, the sign test, rule rewards."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import smoke_config
+from pipeline.errors import ConfigError, UserError
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["stages.ppo.algorithm=grpo", "stages.ppo.sampling.n=1"],
+         "sampling.n: GRPO compares samples of the same prompt and needs n >= 2"),
+        (["stages.ppo.prompts_per_iteration=5", "stages.ppo.sampling.n=3", "stages.ppo.mini_batch_size=4"],
+         "mini_batch_size (4) must divide prompts_per_iteration x sampling.n (5 x 3 = 15)"),
+        (["stages.ppo.policy.num_ranks=3"], "must be a multiple of micro_batch_size x policy.num_ranks"),
+        (["stages.ppo.rollout.num_engines=12", "ray.num_cpus=8"], "stages.ppo.rollout.num_engines: the roles and 12 engines need"),
+        (["stages.ppo.kl.estimator=k4"], "stages.ppo.kl.estimator: input should be 'k1', 'k2' or 'k3'"),
+        (["stages.ppo.rewards.rule=nonsense"], "stages.ppo.rewards.rule: must be 'verifier' or 'module:function'"),
+        (["stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0"], "nothing would reward the policy"),
+        (["stages.ppo.policy.deepspeed.zero_stage=4"], "stages.ppo.policy.deepspeed.zero_stage: input should be 0, 1, 2 or 3"),
+    ],
+)
+def test_bad_ppo_settings_name_the_key(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, *overrides)
+    assert expected in str(exc.value)
+
+
+def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tmp_path):
+    cfg = smoke_config(tmp_path, "stages.ppo.rollout.num_engines=12", "ray.num_cpus=8", "ray.address=auto")
+    assert cfg.stages.ppo.rollout.num_engines == 12  # checked against the cluster's resources at run time
+
+
+def test_make_batch_aligns_every_response_at_one_column():
+    from stages.ppo import make_batch
+
+    b = make_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_id=0)
+    assert b["prompt_width"] == 3
+    assert b["input_ids"].tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert b["response_ids"].tolist() == [[1, 2, 0], [3, 4, 9]]
+    assert b["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_sign_test_p():
+    from stages.ppo import sign_test_p
+
+    assert sign_test_p(0, 0) == 1.0
+    assert sign_test_p(5, 5) == 1.0
+    # 10 improved, 0 worsened: 2 * 0.5**10
+    assert sign_test_p(10, 0) == pytest.approx(2 / 1024)
+    # 8 vs 2: 2 * (1 + 10 + 45) / 1024
+    assert sign_test_p(2, 8) == pytest.approx(2 * 56 / 1024)
+
+
+def test_rule_rewards():
+    from stages.ppo import rule_reward
+
+    verifier = rule_reward("verifier")
+    assert verifier("What is 2 + 3?", "2 + 3 = 5", "5") == 1.0
+    assert verifier("What is 2 + 3?", "2 + 3 = 6", "5") == 0.0
+    assert rule_reward("helpers.toy_rewards:digits")("", "7a77", "") == 0.75
+    with pytest.raises(UserError, match="stages.ppo.rewards.rule: cannot load 'no_such_module:f'"):
+        rule_reward("no_such_module:f")
+
+
+def test_shard_batch_keeps_every_row_in_order():
+    import torch
+
+    from stages.common.groups import shard
+    from stages.common.ppo_worker import shard_batch
+
+    assert shard(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    batch = {"input_ids": torch.arange(7)[:, None], "prompt_width": 1}
+    parts = shard_batch(batch, 3)
+    assert [p["input_ids"].flatten().tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert all(p["prompt_width"] == 1 for p in parts)

@@ -1,0 +1,107 @@
+"""vLLM rollout engines as Ray actors: weight sync through the object store, restart of a dead engine."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The built-in model with large random weights, so greedy outputs are not one repeated token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.common import models, tasks
+
+    cfg = models.BuiltinModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                                    num_heads=2, num_kv_heads=1, max_position_embeddings=128)
+    path = models.build_base_model(tmp_path_factory.mktemp("model"), cfg, tasks.corpus(tasks.TaskConfig(), 0), 0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.4)
+    model.save_pretrained(path)
+    return path
+
+
+def _prompts(model_dir) -> list[list[int]]:
+    from stages.common.models import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in ("What is 1 + 2?", "Compute 35 + 7.", "12 + 30 = ?", "What is 9 - 4?")]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n argmax steps of the HF model (no EOS handling: `generate`'s min_new_tokens would ban EOS,
+    which vLLM's ignore_eos does not)."""
+    import torch
+
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            for _ in range(n):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, model_dir):
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.common.rollout import EnginePool, EngineSpec, weights_to_numpy
+
+    prompts, n = _prompts(model_dir), 8
+    greedy = {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}
+    pool = EnginePool(str(model_dir), EngineSpec(max_model_len=128, seed=0), num_engines=2)
+    try:
+        def engine_tokens() -> list[list[list[int]]]:
+            outs = ray.get([e.generate.remote(prompts, greedy) for e in pool.engines])
+            return [[s[0]["ids"] for s in per_engine] for per_engine in outs]
+
+        before = engine_tokens()
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        assert before[0] == before[1] == _hf_greedy(model, prompts, n)  # same start on both engines
+
+        # A "policy update": new weights in the trainer, then one put and a sync.
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.add_(torch.randn_like(p) * 0.3)
+        expected = _hf_greedy(model, prompts, n)
+        seconds = pool.sync(ray.put(weights_to_numpy(model.state_dict())))
+        after = engine_tokens()
+        assert seconds > 0
+        assert after[0] == expected and after[1] == expected  # every engine generates with the new weights
+        assert after[0] != before[0]  # and not with the old ones
+
+        # An engine dies: revive() restarts it and brings it to the synced weights, not the checkpoint's.
+        ray.kill(pool.engines[0])
+        assert pool.revive() == [0] and pool.restarts == 1
+        assert engine_tokens() == [expected, expected]
+    finally:
+        pool.shutdown()
+
+
+def test_weights_to_numpy_is_zero_copy_and_keeps_bf16():
+    import torch
+
+    from stages.common.rollout import numpy_to_tensors, weights_to_numpy
+
+    emb = torch.randn(4, 3)
+    state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.randn(3, dtype=torch.bfloat16)}
+    arrays = weights_to_numpy(state)
+    assert set(arrays) == {"embed.weight", "norm.weight__bf16__"}  # tied copy sent once
+    back = dict(numpy_to_tensors(arrays))
+    assert back["norm.weight"].dtype == torch.bfloat16 and torch.equal(back["norm.weight"], state["norm.weight"])
+    assert torch.equal(back["embed.weight"], emb)
+    assert back["embed.weight"].data_ptr() == arrays["embed.weight"].ctypes.data  # no copy on the way back
