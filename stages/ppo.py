@@ -497,6 +497,8 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
             after = _evaluate(pool, eval_rows, tok, reward, cfg, rule)
             pairs = list(zip(before["correct"], after["correct"]))
             improved, worsened = sum(b < a for b, a in pairs), sum(b > a for b, a in pairs)
+            rpairs = list(zip(before["scores"], after["scores"]))
+            r_up, r_down = sum(b < a for b, a in rpairs), sum(b > a for b, a in rpairs)
             final.update({
                 "eval_prompts": len(eval_rows),
                 "eval_accuracy_before": sum(before["correct"]) / len(eval_rows),
@@ -505,11 +507,14 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
                 "eval_reward": sum(after["scores"]) / len(eval_rows),
                 "eval_improved": improved, "eval_worsened": worsened,
                 "eval_sign_test_p": sign_test_p(improved, worsened),
+                "eval_reward_improved": r_up, "eval_reward_worsened": r_down,
+                "eval_reward_sign_test_p": sign_test_p(r_up, r_down),
             })
             ctx.progress(f"held-out ({len(eval_rows)} prompts): rule reward {final['eval_accuracy_before']:.3f} -> "
                          f"{final['eval_accuracy']:.3f}, reward {final['eval_reward_before']:.3f} -> "
-                         f"{final['eval_reward']:.3f} ({improved} better, {worsened} worse, sign test p "
-                         f"{final['eval_sign_test_p']:.2g})")
+                         f"{final['eval_reward']:.3f}; accuracy: {improved} prompts better, {worsened} worse (sign test p "
+                         f"{final['eval_sign_test_p']:.2g}); reward: {r_up} better, {r_down} worse (p "
+                         f"{final['eval_reward_sign_test_p']:.2g})")
         final["engine_restarts"] = pool.restarts
         ctx.log_metrics(final, step=cfg.iterations)
         return {"policy_model": out}

@@ -34,8 +34,8 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     # would fail the run if anything tried).
     second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert second.returncode == 0, second.stderr[-3000:]
-    assert all(f"{s} hit" in second.stdout for s in ("model", "data", "sft", "reward"))
-    assert "0 stages run, 4 cached; Ray not started" in second.stdout
+    assert all(f"{s} hit" in second.stdout for s in ("model", "data", "sft", "reward", "ppo"))
+    assert "0 stages run, 5 cached; Ray not started" in second.stdout
 
     # Lineage: two parent runs, each with a nested run per stage carrying config, tags and metrics.
     client, runs = _runs(run_dir)
@@ -55,7 +55,7 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     # A config change reruns data only, and plan says why before anything runs.
     plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}", "stages.data.max_len=48")
     assert "config changed: stages.data.max_len" in plan.stdout
-    assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 3  # data and what follows it
+    assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 4  # data and what follows it
 
 
 def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path):

@@ -12,7 +12,7 @@ Why these choices (DESIGN.md §2.4, §2.8):
 - Weights travel as a dict of numpy arrays put into the Ray object store once
   (`weights_to_numpy` + `ray.put`). Each engine receives the ref as a task argument: Ray maps the
   arrays read-only from shared memory on the same node, and `torch.from_numpy` wraps them without
-  a copy. Pickling the state dict to each engine instead costs ~6x more (bench/rollout_bench.py).
+  a copy, instead of pickling the state dict to each engine (ratio in bench/RESULTS.md).
 - The load goes through a `worker_extension_cls` method doing vLLM's layerwise reload
   (`initialize_layerwise_reload` / `load_weights` / `finalize_layerwise_reload`): a plain
   `load_weights` fails on the CPU worker (`Parameter has no attribute weight_loader`). It is not
@@ -181,11 +181,12 @@ class RolloutEngine:
 class EnginePool:
     """`num_engines` RolloutEngine actors; restarts dead ones and brings them to the current weights."""
 
-    def __init__(self, model_dir: str, spec: EngineSpec, num_engines: int, strategy: str = "SPREAD"):
+    def __init__(self, model_dir: str, spec: EngineSpec, num_engines: int, strategy: str = "SPREAD",
+                 engine_cls: type = RolloutEngine):
         import ray
         from ray.util.placement_group import placement_group
 
-        self.model_dir, self.spec, self.restarts = model_dir, spec, 0
+        self.model_dir, self.spec, self.restarts, self.engine_cls = model_dir, spec, 0, engine_cls
         bundle = {"CPU": spec.num_cpus, **({"GPU": 1} if spec.gpu else {})}
         self.pg = placement_group([bundle] * num_engines, strategy=strategy)
         ray.get(self.pg.ready(), timeout=120)
@@ -197,7 +198,7 @@ class EnginePool:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor = ray.remote(RolloutEngine).options(
+        actor = ray.remote(self.engine_cls).options(
             num_cpus=self.spec.num_cpus, num_gpus=1 if self.spec.gpu else 0, runtime_env=self.spec.runtime_env(),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
             name=None, max_concurrency=1,
