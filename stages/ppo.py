@@ -149,6 +149,8 @@ class PPOConfig(Section):
         "PACK", description="Ray placement strategy of each role's ranks.")
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint policy and critic every N iterations (and at the end).")
     eval_prompts: int = Field(200, ge=0, description="Held-out prompts scored before and after PPO (0: skip).")
+    eval_samples: int = Field(8, ge=0, description="Besides the greedy answer, sample this many responses per held-out "
+                              "prompt (rollout sampling, fixed seed) and compare their mean scores too (0: greedy only).")
 
     @model_validator(mode="after")
     def _batches_fit(self) -> "PPOConfig":
@@ -318,18 +320,47 @@ def _score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rul
     return scores, rule_scores
 
 
-def _evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -> dict:
-    """Greedy answers of the engines (current weights) on held-out prompts, scored like rollouts."""
+def _evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -> dict[str, list[float]]:
+    """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples.
+
+    The engines answer with their current weights; sampling uses a fixed seed, so the SFT policy
+    (before) and the trained one (after) draw from the same random stream.
+    """
     import ray
 
     from stages.common.groups import shard
 
-    greedy = {"temperature": 0.0, "max_tokens": cfg.sampling.max_new_tokens}
-    parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
-    outs = ray.get([e.generate.remote(p, greedy) for e, p in zip(pool.engines, parts) if p])
-    texts = tok.batch_decode([s[0]["ids"] for part in outs for s in part], skip_special_tokens=True)
-    scores, rule_scores = _score(texts, rows, reward_group, cfg, rule)
-    return {"scores": scores, "correct": rule_scores}
+    def answers(sampling: dict, k: int) -> tuple[list[float], list[float]]:
+        parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
+        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
+        texts = tok.batch_decode([s["ids"] for part in outs for group in part for s in group], skip_special_tokens=True)
+        scores, correct = _score(texts, [r for r in rows for _ in range(k)], reward_group, cfg, rule)
+        mean = lambda xs: [sum(xs[i * k:(i + 1) * k]) / k for i in range(len(rows))]  # noqa: E731
+        return mean(scores), mean(correct)
+
+    out = dict(zip(("reward", "accuracy"), answers({"temperature": 0.0, "max_tokens": cfg.sampling.max_new_tokens}, 1)))
+    if cfg.eval_samples:
+        k = cfg.eval_samples
+        sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+                    "max_tokens": cfg.sampling.max_new_tokens, "seed": 12345}
+        out["sampled_reward"], out["sampled_accuracy"] = answers(sampling, k)
+    return out
+
+
+def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Held-out metrics before/after PPO, with a paired sign test per measure over the prompts.
+
+    For each measure M: `eval_M_before`, `eval_M` (means over prompts), `eval_M_improved` /
+    `eval_M_worsened` (prompts whose value rose / fell) and `eval_M_sign_test_p`.
+    """
+    out: dict[str, float] = {}
+    for key, b in before.items():
+        a = after[key]
+        up, down = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
+        out.update({f"eval_{key}_before": sum(b) / len(b), f"eval_{key}": sum(a) / len(a),
+                    f"eval_{key}_improved": up, f"eval_{key}_worsened": down,
+                    f"eval_{key}_sign_test_p": sign_test_p(up, down)})
+    return out
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -492,29 +523,14 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
         out = ctx.out_dir / "model"
         ray.get(policy.run("save_hf", str(out)))
         tok.save_pretrained(out)
-        final = {k: v for k, v in metrics.items()}
+        final = dict(metrics)
         if before is not None:
-            after = _evaluate(pool, eval_rows, tok, reward, cfg, rule)
-            pairs = list(zip(before["correct"], after["correct"]))
-            improved, worsened = sum(b < a for b, a in pairs), sum(b > a for b, a in pairs)
-            rpairs = list(zip(before["scores"], after["scores"]))
-            r_up, r_down = sum(b < a for b, a in rpairs), sum(b > a for b, a in rpairs)
-            final.update({
-                "eval_prompts": len(eval_rows),
-                "eval_accuracy_before": sum(before["correct"]) / len(eval_rows),
-                "eval_accuracy": sum(after["correct"]) / len(eval_rows),
-                "eval_reward_before": sum(before["scores"]) / len(eval_rows),
-                "eval_reward": sum(after["scores"]) / len(eval_rows),
-                "eval_improved": improved, "eval_worsened": worsened,
-                "eval_sign_test_p": sign_test_p(improved, worsened),
-                "eval_reward_improved": r_up, "eval_reward_worsened": r_down,
-                "eval_reward_sign_test_p": sign_test_p(r_up, r_down),
-            })
-            ctx.progress(f"held-out ({len(eval_rows)} prompts): rule reward {final['eval_accuracy_before']:.3f} -> "
-                         f"{final['eval_accuracy']:.3f}, reward {final['eval_reward_before']:.3f} -> "
-                         f"{final['eval_reward']:.3f}; accuracy: {improved} prompts better, {worsened} worse (sign test p "
-                         f"{final['eval_sign_test_p']:.2g}); reward: {r_up} better, {r_down} worse (p "
-                         f"{final['eval_reward_sign_test_p']:.2g})")
+            final.update(eval_prompts=len(eval_rows), **compare(before, _evaluate(pool, eval_rows, tok, reward, cfg, rule)))
+            for key in before:
+                ctx.progress(f"held-out {key.replace('_', ' ')} ({len(eval_rows)} prompts): "
+                             f"{final[f'eval_{key}_before']:.3f} -> {final[f'eval_{key}']:.3f} "
+                             f"({final[f'eval_{key}_improved']} prompts up, {final[f'eval_{key}_worsened']} down, "
+                             f"sign test p {final[f'eval_{key}_sign_test_p']:.2g})")
         final["engine_restarts"] = pool.restarts
         ctx.log_metrics(final, step=cfg.iterations)
         return {"policy_model": out}

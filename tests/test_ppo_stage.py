@@ -78,7 +78,10 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     model = AutoModelForCausalLM.from_pretrained(model_dir)  # the trained policy, HF format
     out = model.generate(torch.tensor([[1, 5, 6]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert out.shape == (1, 6)
-    assert {"eval_accuracy_before", "eval_accuracy", "eval_sign_test_p"} <= manifest["metrics"].keys()
+    m = manifest["metrics"]
+    for key in ("accuracy", "reward", "sampled_accuracy", "sampled_reward"):  # held-out, before and after
+        assert {f"eval_{key}_before", f"eval_{key}", f"eval_{key}_sign_test_p"} <= m.keys(), key
+    assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"] == 16
 
 
 def test_interrupted_ppo_resumes_from_its_checkpoint(ray_local, run_dir, tracking_uri, monkeypatch):

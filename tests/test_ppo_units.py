@@ -57,6 +57,18 @@ def test_sign_test_p():
     assert sign_test_p(2, 8) == pytest.approx(2 * 56 / 1024)
 
 
+
+def test_compare_pairs_prompts_before_and_after():
+    from stages.ppo import compare
+
+    before = {"accuracy": [0, 0, 1, 1, 0], "reward": [0.5, 0.2, 1.0, 0.9, 0.1]}
+    after = {"accuracy": [1, 1, 1, 0, 1], "reward": [0.7, 0.2, 1.0, 1.2, 0.3]}
+    m = compare(before, after)
+    assert (m["eval_accuracy_before"], m["eval_accuracy"]) == (pytest.approx(0.4), pytest.approx(0.8))
+    assert (m["eval_accuracy_improved"], m["eval_accuracy_worsened"]) == (3, 1)  # ties (prompt 3) do not count
+    assert m["eval_accuracy_sign_test_p"] == pytest.approx(2 * 5 / 16)  # P(<=1 of 4) = 5/16, two-sided
+    assert (m["eval_reward_improved"], m["eval_reward_worsened"]) == (3, 0)
+
 def test_rule_rewards():
     from stages.ppo import rule_reward
 
