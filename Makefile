@@ -20,3 +20,5 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/data_bench.py
+	$(PY) bench/train_bench.py
+	$(PY) bench/rollout_bench.py
