@@ -454,7 +454,7 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
             rows = [r for r in rows for _ in range(n)]  # one row per rollout; a prompt's samples adjacent
             # 2. generate with the current policy weights
             if it == fault_at:
-                ray.kill(pool.engines[0])
+                pool.kill(0)
             t0 = time.time()
             sampling = {"n": n, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                         "max_tokens": cfg.sampling.max_new_tokens,

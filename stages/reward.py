@@ -59,7 +59,7 @@ def _rewards(engine, batch):
 # --------------------------------------------------------------------------- worker loop
 
 
-def _evaluate(engine, shard, pad_id: int, micro: int) -> dict[str, float]:
+def _evaluate(engine, batches) -> dict[str, float]:
     """Pairwise accuracy, mean margin and loss over every rank's eval shard."""
     import torch
 
@@ -68,7 +68,7 @@ def _evaluate(engine, shard, pad_id: int, micro: int) -> dict[str, float]:
     engine.eval()
     correct = margin = loss = n = 0.0
     with torch.no_grad():
-        for batch in shard.iter_torch_batches(batch_size=micro, collate_fn=partial(collate, pad_id=pad_id)):
+        for batch in batches:
             rc, rr = _rewards(engine, batch)
             correct += float((rc > rr).sum())
             margin += float((rc - rr).sum())
@@ -98,10 +98,11 @@ def train_loop(c: dict) -> None:
     log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "reward")
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
-    train, evals = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("eval")
+    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
+        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=c["pad_id"]))
     total, pad_id = c["total_steps"], c["pad_id"]
     if state["step"] == 0:
-        first = _evaluate(engine, evals, pad_id, cfg.micro_batch_size)
+        first = _evaluate(engine, evals)
         log.log(first, 0)
         log.print(f"step 0/{total} " + " ".join(f"{k} {v:.4g}" for k, v in first.items()))
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
@@ -131,7 +132,7 @@ def train_loop(c: dict) -> None:
                        "lr": engine.get_lr()[0], "step_time_s": busy}
             busy = 0.0
             if step % cfg.eval_every == 0 or step == total:
-                metrics.update(_evaluate(engine, evals, pad_id, cfg.micro_batch_size))
+                metrics.update(_evaluate(engine, evals))
             log.log(metrics, step)
             if step % max(1, total // 40) == 0 or "eval_loss" in metrics:  # every step goes to MLflow
                 log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))

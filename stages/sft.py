@@ -54,7 +54,7 @@ def collate(batch: dict, pad_id: int) -> dict:
 # --------------------------------------------------------------------------- worker loop
 
 
-def _eval_loss(engine, shard, pad_id: int, micro: int) -> float:
+def _eval_loss(engine, batches) -> float:
     """Token-weighted mean loss over every rank's eval shard."""
     import torch
 
@@ -63,7 +63,7 @@ def _eval_loss(engine, shard, pad_id: int, micro: int) -> float:
     engine.eval()
     total = count = 0.0
     with torch.no_grad():
-        for batch in shard.iter_torch_batches(batch_size=micro, collate_fn=partial(collate, pad_id=pad_id)):
+        for batch in batches:
             n = float((batch["labels"][:, 1:] != -100).sum())
             total += float(engine(**batch).loss) * n
             count += n
@@ -92,10 +92,11 @@ def train_loop(c: dict) -> None:
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
     log.print(f"DeepSpeed engine ready in {time.time() - t_start:.1f}s (resuming at step {state['step']})")
-    train, evals = ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("eval")
+    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
+        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=c["pad_id"]))
     total, pad_id = c["total_steps"], c["pad_id"]
     if state["step"] == 0:
-        loss0 = _eval_loss(engine, evals, pad_id, cfg.micro_batch_size)
+        loss0 = _eval_loss(engine, evals)
         log.log({"eval_loss": loss0}, 0)
         log.print(f"step 0/{total} eval_loss {loss0:.4f}")
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))  # fault drills and resume tests
@@ -125,7 +126,7 @@ def train_loop(c: dict) -> None:
             metrics = {"train_loss": loss.item(), "lr": engine.get_lr()[0], "tokens_per_s": n_tokens / (n_busy / world)}
             busy, tokens = 0.0, 0
             if step % cfg.eval_every == 0 or step == total:
-                metrics["eval_loss"] = _eval_loss(engine, evals, pad_id, cfg.micro_batch_size)
+                metrics["eval_loss"] = _eval_loss(engine, evals)
             log.log(metrics, step)
             if step % max(1, total // 40) == 0 or "eval_loss" in metrics:  # every step goes to MLflow
                 log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))

@@ -85,9 +85,14 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
         assert after[0] != before[0]  # and not with the old ones
 
         # An engine dies: revive() restarts it and brings it to the synced weights, not the checkpoint's.
-        ray.kill(pool.engines[0])
+        pool.kill(0)
         assert pool.revive() == [0] and pool.restarts == 1
         assert engine_tokens() == [expected, expected]
+
+        # An engine that dies before a sync is restarted by the sync itself and gets the new weights.
+        pool.kill(1)
+        seconds = pool.sync(ray.put(weights_to_numpy(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())))
+        assert pool.restarts == 2 and engine_tokens() == [before[0], before[0]]  # back to the checkpoint's
     finally:
         pool.shutdown()
 

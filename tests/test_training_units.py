@@ -65,3 +65,23 @@ def test_collate_masks_labels_and_pads():
     pairs = {"chosen_input_ids": np.array([np.array([1, 2])], dtype=object),
              "rejected_input_ids": np.array([np.array([1, 3, 4])], dtype=object)}
     assert reward_collate(pairs, pad_id=0)["input_ids"].tolist() == [[1, 2, 0], [1, 3, 4]]
+
+
+def test_eval_batches_read_the_shard_once_and_replay_only_a_complete_pass():
+    from stages.common.training import EvalBatches
+
+    class Shard:  # a Ray Data shard's iter_torch_batches, counting executions
+        passes = 0
+
+        def iter_torch_batches(self, batch_size, collate_fn):
+            Shard.passes += 1
+            rows = list(range(5))
+            for i in range(0, len(rows), batch_size):
+                yield collate_fn(rows[i:i + batch_size])
+
+    batches = EvalBatches(Shard(), 2, lambda rows: [r * 10 for r in rows])
+    for _ in batches:  # an interrupted first pass is not kept
+        break
+    assert Shard.passes == 1 and batches.batches is None
+    assert list(batches) == [[0, 10], [20, 30], [40]] and Shard.passes == 2
+    assert list(batches) == [[0, 10], [20, 30], [40]] and Shard.passes == 2  # replayed, no new execution

@@ -211,8 +211,32 @@ class EnginePool:
 
         t0 = time.time()
         self.weights_ref = weights_ref
-        ray.get([e.load_weights.remote(weights_ref) for e in self.engines])
+        try:
+            ray.get([e.load_weights.remote(weights_ref) for e in self.engines])
+        except ray.exceptions.RayActorError:
+            # An engine died before or during the load: revive() restarts it and loads weights_ref into it;
+            # if none was found dead the error was something else, and it is raised.
+            if not self.revive():
+                raise
         return time.time() - t0
+
+    def kill(self, index: int, timeout: float = 60) -> None:
+        """Fault drills: kill engine `index` and return once Ray reports it dead.
+
+        `ray.kill` is asynchronous; without the wait a call sent right after it may still be answered,
+        which makes a drill (or a test) depend on timing."""
+        import ray
+
+        engine = self.engines[index]
+        ray.kill(engine, no_restart=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                ray.get(engine.ping.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"rollout engine {index} still answers {timeout:.0f} s after ray.kill")
 
     def revive(self) -> list[int]:
         """Restart every engine that no longer answers, and re-sync it; returns the restarted indices."""
