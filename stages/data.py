@@ -171,6 +171,8 @@ def _read(kind: str, source: Path | list[dict], cfg: DataConfig, seed: int):
     """A lazy Ray dataset of validated rows from one file or from generated rows."""
     import ray.data
 
+    from stages.common.parquet import read_parquet
+
     if isinstance(source, list):
         ds, name = ray.data.from_items(source), "generated"
     else:
@@ -180,7 +182,7 @@ def _read(kind: str, source: Path | list[dict], cfg: DataConfig, seed: int):
         elif suffix == ".csv":
             ds = ray.data.read_csv(name)
         else:
-            ds = ray.data.read_parquet(name)
+            ds = read_parquet(source)
     return ds.map_batches(_validate_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                           fn_kwargs={"kind": kind, "source": name, "seed": seed, "eval_fraction": cfg.eval_fraction})
 

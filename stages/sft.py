@@ -157,10 +157,9 @@ def _read_rows(path: Path, n: int) -> list[dict]:
 
 def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
-    import ray.data
-
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import greedy_accuracy, load_tokenizer
+    from stages.common.parquet import read_parquet
     from stages.common.training import export, fit
 
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
@@ -181,7 +180,7 @@ def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
         "run_id": ctx.run_id,
-    }, cfg, {"train": ray.data.read_parquet(str(data / "train")), "eval": ray.data.read_parquet(str(data / "eval"))},
+    }, cfg, {"train": read_parquet(data / "train"), "eval": read_parquet(data / "eval")},
         ctx.checkpoint_dir, gpu)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok)

@@ -1,5 +1,7 @@
 """Pure parts of the data stage: split, assistant-span masks, packing."""
 
+import os
+
 from stages.common import tasks
 from stages.data import loss_mask, pack_rows, render_with_spans, split_of
 
@@ -80,3 +82,26 @@ def test_empty_splits_are_errors_naming_the_fix():
     with pytest.raises(DataError, match="no sft rows left in the eval split.*eval_fraction"):
         _check_not_empty("sft", counts, had_input=True)
     _check_not_empty("sft", counts, had_input=False)  # a kind nobody asked for may be empty
+
+
+def test_parquet_footer_readers_are_capped_at_the_file_count(tmp_path, monkeypatch):
+    import ray.data
+
+    from stages.common import parquet
+
+    (tmp_path / "d" / "part=1").mkdir(parents=True)
+    for name in ("a.parquet", "b.parquet", "part=1/c.parquet", "notes.txt"):
+        (tmp_path / "d" / name).touch()
+    assert parquet.footer_readers(tmp_path / "d") == 3
+    assert parquet.footer_readers(tmp_path / "d" / "a.parquet") == 1
+    assert parquet.footer_readers(tmp_path / "empty") == 1
+    assert parquet.footer_readers("s3://bucket/data") is None
+
+    seen = []  # what Ray's reader sees at planning time, and that the caller's environment is restored
+    monkeypatch.setattr(ray.data, "read_parquet", lambda path: seen.append((path, os.environ.get(parquet.ENV))))
+    monkeypatch.delenv(parquet.ENV, raising=False)
+    parquet.read_parquet(tmp_path / "d")
+    assert seen[-1] == (str(tmp_path / "d"), "3") and parquet.ENV not in os.environ
+    monkeypatch.setenv(parquet.ENV, "7")  # the user's own setting wins
+    parquet.read_parquet(tmp_path / "d")
+    assert seen[-1][1] == "7" and os.environ[parquet.ENV] == "7"

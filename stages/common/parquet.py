@@ -1,0 +1,43 @@
+"""Reading Parquet through Ray Data with a footer-reader pool sized to the files read.
+
+Ray Data 2.60's Parquet reader (datasource V2) starts a pool of `FooterReader` actors on every
+execution to read file footers: 32 by default (`RAY_DATA_PARQUET_FOOTER_NUM_ACTORS`). Each actor is
+a Python process; on a 2-core machine starting 32 of them takes ~19 s, far longer than reading the
+few small files a pipeline artifact holds, and it happens for every pass over a dataset. More
+readers than files cannot help, so the pool is capped at the file count. A user's own
+`RAY_DATA_PARQUET_FOOTER_NUM_ACTORS` wins; remote URIs (`s3://...`) keep Ray's default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
+RAY_DEFAULT_READERS = 32
+
+
+def footer_readers(path: str | Path) -> int | None:
+    """Footer readers worth starting for a local file or directory; None for remote URIs."""
+    if "://" in str(path):
+        return None
+    p = Path(path)
+    files = sum(1 for _ in p.rglob("*.parquet")) if p.is_dir() else 1
+    return max(1, min(RAY_DEFAULT_READERS, files))
+
+
+def read_parquet(path: str | Path):
+    """`ray.data.read_parquet(path)`, with the footer-reader pool sized by `footer_readers`.
+
+    Ray reads the setting when the read is planned (here, in the caller), so it is set only around
+    this call and the caller's environment is left as it was."""
+    import ray.data
+
+    readers = footer_readers(path)
+    if readers is None or ENV in os.environ:
+        return ray.data.read_parquet(str(path))
+    os.environ[ENV] = str(readers)
+    try:
+        return ray.data.read_parquet(str(path))
+    finally:
+        del os.environ[ENV]
