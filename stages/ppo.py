@@ -215,6 +215,22 @@ def sign_test_p(improved: int, worsened: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Held-out metrics before/after PPO, with a paired sign test per measure over the prompts.
+
+    For each measure M: `eval_M_before`, `eval_M` (means over prompts), `eval_M_improved` /
+    `eval_M_worsened` (prompts whose value rose / fell) and `eval_M_sign_test_p`.
+    """
+    out: dict[str, float] = {}
+    for key, b in before.items():
+        a = after[key]
+        up, down = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
+        out.update({f"eval_{key}_before": sum(b) / len(b), f"eval_{key}": sum(a) / len(a),
+                    f"eval_{key}_improved": up, f"eval_{key}_worsened": down,
+                    f"eval_{key}_sign_test_p": sign_test_p(up, down)})
+    return out
+
+
 def rule_reward(spec: str):
     """The rule reward as a function (prompt, response, answer) -> float."""
     if spec == "verifier":
@@ -344,22 +360,6 @@ def _evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -
         sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                     "max_tokens": cfg.sampling.max_new_tokens, "seed": 12345}
         out["sampled_reward"], out["sampled_accuracy"] = answers(sampling, k)
-    return out
-
-
-def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
-    """Held-out metrics before/after PPO, with a paired sign test per measure over the prompts.
-
-    For each measure M: `eval_M_before`, `eval_M` (means over prompts), `eval_M_improved` /
-    `eval_M_worsened` (prompts whose value rose / fell) and `eval_M_sign_test_p`.
-    """
-    out: dict[str, float] = {}
-    for key, b in before.items():
-        a = after[key]
-        up, down = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
-        out.update({f"eval_{key}_before": sum(b) / len(b), f"eval_{key}": sum(a) / len(a),
-                    f"eval_{key}_improved": up, f"eval_{key}_worsened": down,
-                    f"eval_{key}_sign_test_p": sign_test_p(up, down)})
     return out
 
 

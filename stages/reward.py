@@ -98,9 +98,9 @@ def train_loop(c: dict) -> None:
     log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "reward")
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
-    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
-        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=c["pad_id"]))
     total, pad_id = c["total_steps"], c["pad_id"]
+    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
+        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=pad_id))
     if state["step"] == 0:
         first = _evaluate(engine, evals)
         log.log(first, 0)

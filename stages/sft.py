@@ -92,9 +92,9 @@ def train_loop(c: dict) -> None:
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
     log.print(f"DeepSpeed engine ready in {time.time() - t_start:.1f}s (resuming at step {state['step']})")
-    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
-        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=c["pad_id"]))
     total, pad_id = c["total_steps"], c["pad_id"]
+    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
+        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=pad_id))
     if state["step"] == 0:
         loss0 = _eval_loss(engine, evals)
         log.log({"eval_loss": loss0}, 0)
