@@ -27,6 +27,7 @@ from stages.data import DataConfig
 from stages.ppo import PPOConfig
 from stages.reward import RewardConfig
 from stages.sft import SFTConfig
+from stages.tune import TuneConfig
 
 
 class RayConfig(Section):
@@ -69,6 +70,8 @@ class StagesConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + DeepSpeed).")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed roles).")
+    tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward or ppo); "
+                                    "empty: no sweep. See the README's tune section.")
 
 
 class PipelineConfig(Section):
@@ -99,6 +102,28 @@ class PipelineConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _tune_fits_its_target(self) -> "PipelineConfig":
+        tune = self.stages.tune
+        for name in ("sft", "reward", "ppo"):
+            if getattr(self.stages, name).use_tuned and (tune is None or tune.target != name):
+                raise ValueError(f"stages.{name}.use_tuned: there is no sweep over {name} to take values from; add "
+                                 f"stages.tune with target: {name}, or set use_tuned: false")
+        if tune is None:
+            return self
+        target = getattr(self.stages, tune.target)
+        for path, dim in tune.search_space.items():
+            key = f"stages.tune.search_space.{path}"
+            problem = leaf_problem(type(target), path, f"stages.{tune.target}")
+            if problem:
+                raise ValueError(f"{key}: {problem}")
+            for value in dim.candidates():  # every listed value (or both bounds) must be valid for the target
+                try:
+                    with_values(target, {path: value}, prefix=f"stages.{tune.target}")
+                except ValueError as exc:
+                    raise ValueError(f"{key}: {dim.kind} value {value!r} is invalid for stages.{tune.target}: {exc}") from None
+        return self
+
+    @model_validator(mode="after")
     def _fits_local_ray(self) -> "PipelineConfig":
         # A local Ray's size is known now; a cluster's is checked when the stage starts.
         if self.ray.address or os.environ.get("RAY_ADDRESS"):
@@ -108,6 +133,15 @@ class PipelineConfig(Section):
             raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
                              f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
                              "fewer engines or ranks, or raise ray.num_cpus")
+        tune = self.stages.tune
+        if tune is not None:
+            target = getattr(self.stages, tune.target)
+            per_trial = tune.resources_per_trial.cpu + (target.cpus_needed() if tune.target == "ppo" else target.num_workers)
+            if per_trial * tune.max_concurrent_trials > have:
+                raise ValueError(f"stages.tune.max_concurrent_trials: {tune.max_concurrent_trials} trials of "
+                                 f"{tune.target} need {per_trial:g} logical CPUs each (driver + workers), "
+                                 f"{per_trial * tune.max_concurrent_trials:g} in all, but the local Ray has {have} "
+                                 "(ray.num_cpus); run fewer trials at once or raise ray.num_cpus")
         return self
 
     @property
@@ -207,6 +241,43 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: invalid configuration\n{format_validation_error(exc)}") from None
 
 
+def leaf_problem(model: type[Section], dotted: str, prefix: str) -> str | None:
+    """Why `dotted` is not a settable value field of `model` (None if it is): for search spaces."""
+    node: Any = model
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = getattr(node, "model_fields", {})
+        if part not in fields or part == "use_tuned":
+            valid = sorted(f for f in fields if f != "use_tuned")
+            close = difflib.get_close_matches(part, valid, n=1)
+            where = ".".join([prefix, *parts[:i]])
+            return (f"not a field of {where}; " + (f"did you mean '{close[0]}'? " if close else "")
+                    + f"fields there: {', '.join(valid)}")
+        node = fields[part].annotation
+        is_section = isinstance(node, type) and issubclass(node, Section)
+        if i == len(parts) - 1 and is_section:
+            return f"is a section, not a value; name one of its fields, e.g. {dotted}.{next(iter(node.model_fields))}"
+        if i < len(parts) - 1 and not is_section:
+            return f"{'.'.join(parts[: i + 1])} is a value, not a section"
+    return None
+
+
+def with_values(section: Section, values: dict[str, Any], prefix: str = "") -> Section:
+    """A copy of `section` with dotted field paths set, validated again: {'lr': 1e-3, 'deepspeed.zero_stage': 0}.
+
+    Raises ValueError naming `prefix.path` when the result is not a valid config (a tuned value that
+    breaks a cross-field rule, e.g. a batch size that no longer divides)."""
+    data = section.model_dump(mode="json")
+    for dotted, value in values.items():
+        apply_override(data, dotted.split("."), value)
+    try:
+        return type(section).model_validate(data)
+    except ValidationError as exc:
+        lines = format_validation_error(exc, type(section)).splitlines()
+        raise ValueError("; ".join(f"{prefix}.{line}" if prefix and not line.startswith("(") else line
+                                   for line in lines)) from None
+
+
 def get_path(cfg: Section, dotted: str) -> Any:
     """`get_path(cfg, "stages.data")` -> that section (used for per-stage cache keys)."""
     node: Any = cfg
@@ -234,15 +305,30 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): data}
 
 
+def subsection(annotation: Any) -> tuple[type[Section] | None, str]:
+    """The Section class a field holds, directly, as `X | None`, or as the values of `dict[str, X]`
+    (then with the key placeholder to show in paths)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return annotation, ""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is dict and len(args) == 2:
+        inner, _ = subsection(args[1])
+        return inner, ".<field path>" if inner else ""
+    sections = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
+    return (sections[0], "") if len(sections) == 1 and set(args) <= {sections[0], type(None)} else (None, "")
+
+
 def reference(model: type[Section] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
     """(key path, default, description) for every option: the README's config reference."""
     rows = []
     for name, f in model.model_fields.items():
         path = f"{prefix}{name}"
-        sub = f.annotation if isinstance(f.annotation, type) and issubclass(f.annotation, Section) else None
+        sub, key = subsection(f.annotation)
         if sub is not None:
             rows.append((path, "", f.description or ""))
-            rows += reference(sub, path + ".")
+            rows += reference(sub, path + key + ".")
         else:
             default = f.get_default(call_default_factory=True)
             rows.append((path, json_default(default), f.description or ""))

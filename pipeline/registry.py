@@ -8,7 +8,8 @@ another config section must list it in `reads`, or changes to it would not inval
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class StageSpec:
     inputs: tuple[str, ...]  # artifacts it consumes
     outputs: tuple[str, ...]  # artifacts it produces
     about: str
+    code: tuple[str, ...] = ()  # further modules whose source is part of this stage's code (tune runs its target)
 
 
 STAGES: tuple[StageSpec, ...] = (
@@ -35,3 +37,21 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced"),
 )
+
+
+def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
+    """The stages of a pipeline config: STAGES, plus the tune stage when `stages.tune` is set.
+
+    The tune stage reads what its target reads (it runs the target's code on the same artifacts)
+    and the target's config section. A target with `use_tuned: true` also consumes the sweep's
+    `best_config`, which places the sweep before it.
+    """
+    tune = cfg.stages.tune
+    if tune is None:
+        return STAGES
+    target = next(s for s in STAGES if s.name == tune.target)
+    sweep = StageSpec("tune", "stages.tune", "stages.tune", ("seed", target.config), target.inputs, ("best_config",),
+                      f"Ray Tune: sweep {tune.target}'s config, every trial its real training, tracked in MLflow",
+                      code=(target.module,))
+    uses = getattr(cfg.stages, tune.target).use_tuned
+    return tuple(replace(s, inputs=(*s.inputs, "best_config")) if s is target and uses else s for s in STAGES) + (sweep,)

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts
-from pipeline.config import PipelineConfig, flatten, get_path, to_plain
+from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
 from pipeline.errors import UserError
-from pipeline.registry import STAGES, StageSpec
+from pipeline.registry import STAGES, StageSpec, stages_for
+
+PENDING = "pending"  # the upstream of a stage whose tuned values are not known yet (its sweep has not run)
 
 
 @dataclass
@@ -37,6 +39,12 @@ class PlannedStage:
     status: str  # "hit", "miss" or "skip" (not selected)
     reason: str
     finished: bool  # a finished artifact exists for this key
+    config: Any = None  # the stage's config section as it runs (with tuned values applied, if it uses them)
+
+    @property
+    def pending(self) -> bool:
+        """Its key waits for a sweep's outcome; the runner plans it again once the sweep has run."""
+        return str(self.components["upstream"].get("best_config", "")).startswith(PENDING)
 
 
 # --------------------------------------------------------------------------- planning
@@ -94,14 +102,26 @@ def select(stages: list[StageSpec], only=(), from_=None, to=None) -> set[str]:
     return chosen
 
 
-def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, str], fps) -> dict:
-    """Everything a stage's output depends on; its hash is the cache key."""
+def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, str], fps, stage_cfg: Any = None) -> dict:
+    """Everything a stage's output depends on; its hash is the cache key.
+
+    `stage_cfg` is the stage's own section as it will run (tuned values applied), if not the YAML's.
+    """
     module = importlib.import_module(spec.module)
     raw = getattr(module, "raw_inputs", lambda _: [])(cfg)
+    config = {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)}
+    if stage_cfg is not None:
+        config[spec.config] = to_plain(stage_cfg)
+    for p in spec.reads:  # whether a swept stage takes the sweep's values does not change the sweep
+        if isinstance(config[p], dict):
+            config[p].pop("use_tuned", None)
+    code = {}
+    for name in (spec.module, *spec.code):
+        code.update(artifacts.code_fingerprint(name))
     return {
         "stage": spec.name,
-        "config": {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)},
-        "code": artifacts.code_fingerprint(spec.module),
+        "config": config,
+        "code": code,
         "libraries": artifacts.library_versions(),
         "upstream": upstream_keys,
         "raw_inputs": fps.paths([Path(p) for p in raw]),
@@ -115,6 +135,8 @@ def _diff(old: dict, new: dict) -> str:
 
 def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
     """Why a stage has no artifact for this key, compared with its last attempt."""
+    if str(comps["upstream"].get("best_config", "")).startswith(PENDING):
+        return "waits for the tune stage's best values (planned again once the sweep has run)"
     last = artifacts.read_json(artifacts.attempt_file(run_dir, spec.name))
     if not last:
         return "never run"
@@ -135,10 +157,25 @@ def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
     return "; ".join(reasons) or "changed"
 
 
+def tuned_values(run_dir: Path, tune_key: str) -> dict | None:
+    """The finished sweep's best values ({field path: value}), or None if it has not run."""
+    manifest = artifacts.read_manifest(run_dir, "tune", tune_key)
+    if manifest is None:
+        return None
+    path = artifacts.output_paths(manifest, artifacts.artifact_dir(run_dir, "tune", tune_key))["best_config"]
+    best = artifacts.read_json(path)
+    return best["params"] if best else None
+
+
 def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None,
-               registry: tuple[StageSpec, ...] = STAGES) -> list[PlannedStage]:
-    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing."""
-    stages = ordered(registry)
+               registry: tuple[StageSpec, ...] | None = None) -> list[PlannedStage]:
+    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing.
+
+    A stage that takes a sweep's values (`use_tuned`) is keyed on those values, not on the sweep's
+    key: it reruns exactly when the best values change. Until the sweep has run they are unknown;
+    the stage is then a miss marked `pending`, and `run_pipeline` plans it again after the sweep.
+    """
+    stages = ordered(registry or stages_for(cfg))
     chosen = select(stages, only, from_, to)
     forced = {s.name for s in stages} if "all" in force else set(force)
     for name in forced - {"all"}:
@@ -148,7 +185,20 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
     keys: dict[str, str] = {}
     plan = []
     for spec in stages:
-        comps = components(cfg, spec, {i: keys[producer[i]] for i in spec.inputs}, fps)
+        upstream = {i: keys[producer[i]] for i in spec.inputs}
+        stage_cfg = get_path(cfg, spec.config)
+        if "best_config" in spec.inputs:
+            values = tuned_values(cfg.run_dir, upstream["best_config"])
+            if values is None:
+                upstream["best_config"] = f"{PENDING} {upstream['best_config']}"
+            else:
+                upstream["best_config"] = artifacts.hash_json(values)
+                try:
+                    stage_cfg = with_values(stage_cfg, values, prefix=spec.config)
+                except ValueError as exc:
+                    raise UserError(f"{spec.config}.use_tuned: the sweep's best values do not fit the current "
+                                    f"config ({exc}); rerun the sweep (--force tune) or set use_tuned: false") from None
+        comps = components(cfg, spec, upstream, fps, stage_cfg)
         key = keys[spec.name] = artifacts.hash_json(comps)
         finished = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
         if spec.name in chosen and spec.name in forced:
@@ -157,7 +207,8 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
             status, reason = "hit", f"cached ({key})"
         else:
             status, reason = "miss", explain_miss(cfg.run_dir, spec, key, comps)
-        plan.append(PlannedStage(spec, key, comps, status if spec.name in chosen else "skip", reason, finished))
+        plan.append(PlannedStage(spec, key, comps, status if spec.name in chosen else "skip", reason, finished,
+                                 stage_cfg))
     _check_needed(plan, chosen)
     return plan
 
@@ -237,6 +288,10 @@ class StageContext:
         """Attach a JSON document (e.g. the effective DeepSpeed config) to the stage's MLflow run."""
         self.tracker.log_dict(self.run_id, data, name)
 
+    def train_callbacks(self) -> list:
+        """Extra Ray Train callbacks for the stage's TorchTrainer (a Tune trial's context adds Tune's)."""
+        return []
+
     def progress(self, message: str) -> None:
         self.console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {self.name}: {message}")
 
@@ -274,7 +329,7 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
                                 {"key": p.key, "components": p.components, "pid": os.getpid()})
     module = importlib.import_module(p.spec.module)
     start = time.time()
-    outputs = module.run(get_path(cfg, p.spec.config), ctx)
+    outputs = module.run(p.config if p.config is not None else get_path(cfg, p.spec.config), ctx)
     missing = [o for o in p.spec.outputs if o not in outputs or not Path(outputs[o]).exists()]
     if missing:
         raise RuntimeError(f"stage '{p.spec.name}' did not produce {missing}")
@@ -290,7 +345,7 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
 
 
 def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
-                 registry: tuple[StageSpec, ...] = STAGES) -> dict[str, Any]:
+                 registry: tuple[StageSpec, ...] | None = None) -> dict[str, Any]:
     """Plan and run under the run-dir lock (so no other run changes the cache between the two).
 
     Returns {"plan": [...], "stages": {stage: manifest}, "started_ray": bool}.
@@ -312,7 +367,8 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
         status, run_id, ctx = "FINISHED", None, None
         try:
-            for i, p in enumerate(active, 1):
+            for i in range(1, len(active) + 1):
+                p = active[i - 1]
                 name, t0 = p.spec.name, time.time()
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] {'[green]hit' if p.status == 'hit' else '[yellow]miss'}"
                               f"[/] - {p.reason}")
@@ -342,6 +398,13 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 summary["run_ids"][name] = run_id
                 run_id = None
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] done in {time.time() - t0:.1f}s")
+                if p.status == "miss" and any(q.pending for q in active[i:]):
+                    # A sweep just ran: plan the stages that take its values again, keyed on the values.
+                    plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry)
+                    replanned = [q for q in plan if q.status != "skip"]
+                    active[i:] = replanned[i:]
+                    by_name = {q.spec.name: q for q in plan}
+                    summary["plan"] = plan
         except KeyboardInterrupt:
             status = "KILLED"
             raise

@@ -135,6 +135,8 @@ def train_loop(c: dict) -> None:
                 metrics.update(training.peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
                 training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
+                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
                 if fault_armed and step >= fault_at:
                     raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
         state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0}
@@ -181,7 +183,7 @@ def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
         "run_id": ctx.run_id,
     }, cfg, {"train": read_parquet(data / "train"), "eval": read_parquet(data / "eval")},
-        ctx.checkpoint_dir, gpu)
+        ctx.checkpoint_dir, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok)
     prompts = _read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)

@@ -42,6 +42,28 @@ def tracking_uri(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smoke_upstream(ray_local, tmp_path_factory, tracking_uri):
+    """smoke.yaml's model and data stages, run once; call it with a new run dir to get them there.
+
+    Cache keys do not depend on the run directory, so the copied artifacts are cache hits in it:
+    every training-stage test starts from the same upstream without paying for it again."""
+    import shutil
+
+    from rich.console import Console
+
+    from pipeline.runner import run_pipeline
+
+    source = tmp_path_factory.mktemp("smoke_upstream")
+    run_pipeline(smoke_config(source, f"mlflow.tracking_uri={tracking_uri}"), SMOKE, Console(quiet=True), to="data")
+
+    def seed(run_dir: Path) -> Path:
+        shutil.copytree(source / "artifacts", run_dir / "artifacts", dirs_exist_ok=True)
+        return run_dir
+
+    return seed
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
     """The built-in tokenizer, trained on the smoke task corpus."""
     from stages.common import models, tasks

@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from conftest import ROOT, SMOKE, run_cli, smoke_config
-from pipeline.config import PipelineConfig, load_config, reference
+from pipeline.config import PipelineConfig, load_config, reference, subsection
 from pipeline.errors import ConfigError
 
 
@@ -103,8 +103,9 @@ def test_all_sections_reject_unknown_keys():
     def walk(model: type[BaseModel]):
         assert model.model_config.get("extra") == "forbid", model
         for f in model.model_fields.values():
-            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
-                walk(f.annotation)
+            sub, _ = subsection(f.annotation)  # X, X | None, dict[str, X]
+            if sub is not None:
+                walk(sub)
 
     walk(PipelineConfig)
 

@@ -35,9 +35,9 @@ def history(tracking_uri, run_id, key) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(smoke_upstream, tmp_path_factory):
     """One run directory for the module: upstream stages run once, each PPO variant has its own key."""
-    return tmp_path_factory.mktemp("ppo")
+    return smoke_upstream(tmp_path_factory.mktemp("ppo"))
 
 
 @pytest.fixture(scope="module")

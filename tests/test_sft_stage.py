@@ -37,9 +37,9 @@ def weights(model_dir) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def zero_runs(ray_local, tmp_path_factory, tracking_uri):
+def zero_runs(smoke_upstream, tmp_path_factory, tracking_uri):
     """The same run under ZeRO 0, 2 and 3: {stage: (manifest, run id, model dir)}."""
-    run_dir = tmp_path_factory.mktemp("sft")
+    run_dir = smoke_upstream(tmp_path_factory.mktemp("sft"))
     return {z: run_sft(run_dir, tracking_uri, f"stages.sft.deepspeed.zero_stage={z}") for z in (0, 2, 3)}
 
 
@@ -82,8 +82,8 @@ def test_sft_learns_and_exports_a_loadable_model(zero_runs, tracking_uri):
     assert torch.isfinite(torch.tensor(evals[6]))
 
 
-def test_interrupted_sft_resumes_from_its_checkpoint(zero_runs, tmp_path, tracking_uri, monkeypatch):
-    run_dir = tmp_path / "resume"
+def test_interrupted_sft_resumes_from_its_checkpoint(zero_runs, smoke_upstream, tmp_path, tracking_uri, monkeypatch):
+    run_dir = smoke_upstream(tmp_path / "resume")
     monkeypatch.setenv("PIPELINE_FAULT_AFTER_STEP", "3")
     with pytest.raises(Exception, match="injected fault after step 3"):
         run_sft(run_dir, tracking_uri, "stages.sft.max_failures=0")

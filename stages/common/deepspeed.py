@@ -57,6 +57,8 @@ class TrainingConfig(Section):
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept by Ray Train (CheckpointConfig.num_to_keep).")
     max_failures: int = Field(1, ge=0, description="Worker failures Ray Train recovers from (restarting from the last checkpoint).")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings.")
+    use_tuned: bool = Field(False, description="Train with the best values of the tune stage's sweep over this stage "
+                            "(needs stages.tune with this stage as target).")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> "TrainingConfig":

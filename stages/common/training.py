@@ -30,8 +30,11 @@ DS_TAG = "ds"
 
 
 def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, datasets: dict, storage: Path,
-        gpu: bool):
-    """Run `loop` on `tcfg.num_workers` Ray Train workers; return the Ray Train `Result`."""
+        gpu: bool, callbacks: list | tuple = ()):
+    """Run `loop` on `tcfg.num_workers` Ray Train workers; return the Ray Train `Result`.
+
+    `callbacks` are Ray Train callbacks, e.g. Tune's `TuneReportCallback` inside a sweep's trial.
+    """
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -52,6 +55,7 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
             storage_path=str(storage),
             checkpoint_config=CheckpointConfig(num_to_keep=tcfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=tcfg.max_failures),
+            callbacks=list(callbacks),
             # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
             worker_runtime_env={"env_vars": {**device_env(gpu), **{k: v for k, v in os.environ.items()
                                                                    if k.startswith("PIPELINE_FAULT_")}}},

@@ -1,0 +1,116 @@
+"""The tune stage's config validation, pure helpers and how `use_tuned` keys the target (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import smoke_config
+from pipeline import artifacts
+from pipeline.errors import ConfigError
+from pipeline.runner import build_plan
+from stages.tune import best_trial, trial_status
+
+SWEEP = ["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[1.0e-4, 1.0e-2]"]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["stages.tune.target=sft", "stages.tune.search_space.lrr.choice=[0.1]"],
+         "stages.tune.search_space.lrr: not a field of stages.sft; did you mean 'lr'?"),
+        (["stages.tune.target=sft", "stages.tune.search_space.deepspeed.zero_stag.choice=[0]"],
+         "stages.tune.search_space.deepspeed.zero_stag: not a field of stages.sft.deepspeed; did you mean 'zero_stage'?"),
+        (["stages.tune.target=ppo", "stages.tune.metric=reward_mean", "stages.tune.search_space.policy.lrr.choice=[0.1]"],
+         "stages.tune.search_space.policy.lrr: not a field of stages.ppo.policy; did you mean 'lr'?"),
+        (["stages.tune.target=sft", "stages.tune.search_space.lr.choice=[]"],
+         "stages.tune.search_space.lr: choice is empty"),
+        (["stages.tune.target=sft", "stages.tune.search_space.warmup_steps.grid=[]"],
+         "stages.tune.search_space.warmup_steps: grid is empty"),
+        (["stages.tune.target=sft", "stages.tune.search_space.deepspeed.choice=[0]"],
+         "stages.tune.search_space.deepspeed: is a section, not a value"),
+        (["stages.tune.target=sft", "stages.tune.search_space.lr.choice=[0.1, -1]"],
+         "stages.tune.search_space.lr: choice value -1 is invalid for stages.sft: stages.sft.lr: input should be greater than 0"),
+        (["stages.tune.target=sft", "stages.tune.search_space.batch_size.choice=[8, 6]"],
+         "stages.tune.search_space.batch_size: choice value 6 is invalid for stages.sft"),
+        (["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[0, 1]"],
+         "stages.tune.search_space.lr: loguniform: low must be > 0"),
+        (["stages.tune.target=sft", "stages.tune.search_space.lr.uniform=[1, 1]"],
+         "stages.tune.search_space.lr: uniform: low must be below high"),
+        ([*SWEEP, "stages.tune.metric=reward_mean"], "stages.tune.metric: sft does not report 'reward_mean'"),
+        ([*SWEEP, "stages.tune.search_alg=optuna"], "needs the optuna package"),
+        ([*SWEEP, "stages.tune.max_concurrent_trials=3"], "stages.tune.max_concurrent_trials: 3 trials of sft need 3"),
+        (["stages.reward.use_tuned=true"], "stages.reward.use_tuned: there is no sweep over reward"),
+        ([*SWEEP, "stages.ppo.use_tuned=true"], "stages.ppo.use_tuned: there is no sweep over ppo"),
+    ],
+)
+def test_search_space_mistakes_name_the_key(tmp_path, overrides, expected):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, *overrides)
+    assert expected in str(exc.value)
+
+
+def test_nested_and_dotted_field_paths_are_the_same_dimension(tmp_path):
+    cfg = smoke_config(tmp_path, "stages.tune.target=sft", "stages.tune.search_space.deepspeed.zero_stage.grid=[0, 3]")
+    assert list(cfg.stages.tune.search_space) == ["deepspeed.zero_stage"]
+    assert cfg.stages.tune.search_space["deepspeed.zero_stage"].kind == "grid"
+
+
+def test_trial_status_and_best_trial():
+    assert trial_status({"trial_completed": 1, "eval_loss": 1.0}, None) == "completed"
+    assert trial_status({"eval_loss": 1.0}, None) == "stopped_early"
+    assert trial_status({"trial_completed": 1}, RuntimeError("x")) == "failed"
+    rows = [{"id": "a", "eval_loss": 2.0}, {"id": "b", "eval_loss": 1.5}, {"id": "c", "eval_loss": float("nan")},
+            {"id": "d"}]
+    assert best_trial(rows, "eval_loss", "min")["id"] == "b"
+    assert best_trial(rows, "eval_loss", "max")["id"] == "a"
+    assert best_trial([{"id": "d"}], "eval_loss", "min") is None
+
+
+def _finish_sweep(cfg, params: dict) -> None:
+    """Write a finished tune artifact (manifest + best_config.json) for the sweep's current key."""
+    key = {p.spec.name: p for p in build_plan(cfg)}["tune"].key
+    out = artifacts.artifact_dir(cfg.run_dir, "tune", key)
+    out.mkdir(parents=True)
+    (out / "best_config.json").write_text(json.dumps({"params": params}))
+    artifacts.write_json_atomic(out / artifacts.MANIFEST, {"key": key, "outputs": {"best_config": "best_config.json"}})
+
+
+def test_use_tuned_keys_the_target_on_the_sweeps_values_not_on_the_sweep(tmp_path):
+    def plan(*extra):
+        cfg = smoke_config(tmp_path, *SWEEP, "stages.sft.use_tuned=true", *extra)
+        return cfg, {p.spec.name: p for p in build_plan(cfg)}
+
+    cfg, p = plan()
+    order = [s for s in p]
+    assert order.index("tune") < order.index("sft")  # the sweep runs first when sft takes its values
+    assert p["sft"].pending and "waits for the tune stage" in p["sft"].reason
+
+    _finish_sweep(cfg, {"lr": 0.005})
+    cfg, p = plan()
+    assert not p["sft"].pending and p["sft"].config.lr == 0.005
+    assert p["sft"].components["config"]["stages.sft"]["lr"] == 0.005  # what MLflow params show
+    key = p["sft"].key
+
+    # Another sweep (more samples) that picks the same value: sft keeps its key, so it stays cached.
+    cfg, p = plan("stages.tune.num_samples=8")
+    assert p["tune"].status == "miss" and p["sft"].pending
+    _finish_sweep(cfg, {"lr": 0.005})
+    cfg, p = plan("stages.tune.num_samples=8")
+    assert p["sft"].key == key
+    # ...and one that picks another value changes it.
+    cfg, p = plan("stages.tune.num_samples=8", "stages.tune.mode=max")
+    _finish_sweep(cfg, {"lr": 0.001})
+    _, p = plan("stages.tune.num_samples=8", "stages.tune.mode=max")
+    assert p["sft"].key != key and p["sft"].config.lr == 0.001
+
+
+def test_without_use_tuned_the_sweep_does_not_touch_the_target(tmp_path):
+    plain = {p.spec.name: p for p in build_plan(smoke_config(tmp_path))}
+    swept = {p.spec.name: p for p in build_plan(smoke_config(tmp_path, *SWEEP))}
+    assert "tune" not in plain and "tune" in swept
+    assert swept["sft"].key == plain["sft"].key
+    # Turning use_tuned on does not change the sweep's own key (no needless rerun of the sweep).
+    tuned = {p.spec.name: p for p in build_plan(smoke_config(tmp_path, *SWEEP, "stages.sft.use_tuned=true"))}
+    assert tuned["tune"].key == swept["tune"].key
