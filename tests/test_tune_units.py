@@ -114,3 +114,53 @@ def test_without_use_tuned_the_sweep_does_not_touch_the_target(tmp_path):
     # Turning use_tuned on does not change the sweep's own key (no needless rerun of the sweep).
     tuned = {p.spec.name: p for p in build_plan(smoke_config(tmp_path, *SWEEP, "stages.sft.use_tuned=true"))}
     assert tuned["tune"].key == swept["tune"].key
+
+
+TOY_TUNE = '''
+import json
+def run(cfg, ctx):
+    with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
+        f.write("tune\\n")
+    (ctx.out_dir / "best_config.json").write_text(json.dumps({"params": {"lr": 0.007}}))
+    return {"best_config": ctx.out_dir / "best_config.json"}
+'''
+TOY_TARGET = '''
+def run(cfg, ctx):
+    with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
+        f.write("target\\n")
+    (ctx.out_dir / "lr.txt").write_text(str(cfg.lr))
+    return {"target_out": ctx.out_dir / "lr.txt"}
+'''
+
+
+def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, tracking_uri):
+    """The target's key is unknown until the sweep has run: the runner plans it again, then runs it
+    with the sweep's value; a second run finds both cached."""
+    import sys
+
+    from rich.console import Console
+
+    from conftest import SMOKE
+    from pipeline.registry import StageSpec
+    from pipeline.runner import run_pipeline
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "toy_tune.py").write_text(TOY_TUNE)
+    (code / "toy_target.py").write_text(TOY_TARGET)
+    monkeypatch.syspath_prepend(str(code))
+    registry = (StageSpec("tune", "toy_tune", "stages.data", (), (), ("best_config",), "sweep"),
+                StageSpec("toy_target", "toy_target", "stages.sft", (), ("best_config",), ("target_out",), "target"))
+    cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}")
+    try:
+        first = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+        second = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+    finally:
+        sys.modules.pop("toy_tune", None)
+        sys.modules.pop("toy_target", None)
+    out = artifacts.output_paths(first["stages"]["toy_target"], artifacts.artifact_dir(
+        cfg.run_dir, "toy_target", first["stages"]["toy_target"]["key"]))["target_out"]
+    assert out.read_text() == "0.007"  # smoke.yaml's sft lr is 0.003
+    assert (cfg.run_dir / "executions.log").read_text().split() == ["tune", "target"]  # nothing ran twice
+    assert {p.spec.name: p.status for p in second["plan"]} == {"tune": "hit", "toy_target": "hit"}
+    assert second["stages"]["toy_target"]["key"] == first["stages"]["toy_target"]["key"]
