@@ -141,10 +141,10 @@ def train_loop(c: dict) -> None:
                 metrics.update(training.peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
                 training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
-            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
                 if fault_armed and step >= fault_at:
                     raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
+            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
+                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
         state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0}
         if engine.global_steps >= total:
             break

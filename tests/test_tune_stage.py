@@ -13,13 +13,13 @@ from pipeline import artifacts
 from pipeline.runner import run_pipeline
 
 pytestmark = pytest.mark.slow
-# The bad learning rate comes last: ASHA keeps whichever trial reaches a rung first, so the worst
-# one is stopped reliably only once better trials have recorded their rung values.
+# The bad learning rate comes last and starts only when a slot frees up: ASHA keeps whichever trial
+# reaches a rung first, so the worst one is stopped reliably once better trials have recorded theirs.
 GRID = [1e-2, 5e-3, 1e-3, 1e-6]
 SWEEP = ["stages.tune.target=sft", f"stages.tune.search_space.lr.grid={GRID}", "stages.tune.num_samples=1",
          "stages.tune.metric=eval_loss", "stages.tune.mode=min", "stages.tune.scheduler.type=asha",
          "stages.tune.scheduler.grace_period=4", "stages.tune.scheduler.reduction_factor=2",
-         "stages.tune.max_concurrent_trials=2", "stages.sft.num_workers=1", "stages.sft.accuracy_prompts=4"]
+         "stages.tune.max_concurrent_trials=3", "stages.sft.num_workers=1", "stages.sft.accuracy_prompts=4"]
 
 
 @pytest.fixture(scope="module")
