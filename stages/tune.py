@@ -396,13 +396,22 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
         run_config=tune.RunConfig(name="sweep", storage_path=str(ctx.checkpoint_dir / "tune"), verbose=0,
                                   callbacks=[_progress_callback(cfg.metric)]),
     )
-    grid = tuner.fit()
+    try:
+        grid = tuner.fit()
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM) or Tune itself failed: no trial run stays RUNNING
+        for run in _trial_runs(ctx).values():
+            if run.info.status == "RUNNING":
+                ctx.tracker.client.set_terminated(run.info.run_id, "KILLED")
+        raise
     rows = _finalise(ctx, grid, cfg)
     _write_results(ctx.out_dir / "results.csv", rows)
     ctx.tracker.log_artifact(ctx.run_id, ctx.out_dir / "results.csv")
     counts = {s: sum(r["status"] == s for r in rows) for s in ("completed", "stopped_early", "failed")}
     for r in rows:
-        ctx.progress(f"trial {r['trial_id']}: {r['status']} at step {r[TIME_ATTR]}, {cfg.metric} {r[cfg.metric]}"
+        value = r[cfg.metric]
+        shown = f"{value:.4g}" if isinstance(value, (int, float)) else "not reported"
+        sampled = ", ".join(f"{k.removeprefix('param.')}={v}" for k, v in r.items() if k.startswith("param."))
+        ctx.progress(f"trial {r['trial_id']} ({sampled}): {r['status']} at step {r[TIME_ATTR]}, {cfg.metric} {shown}"
                      + (f" ({r['error']})" if r["error"] else ""))
     if counts["failed"] == len(rows):
         raise RuntimeError(f"every one of the {len(rows)} trials failed; the first error: {rows[0]['error']} "
