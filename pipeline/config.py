@@ -274,8 +274,7 @@ def with_values(section: Section, values: dict[str, Any], prefix: str = "") -> S
         return type(section).model_validate(data)
     except ValidationError as exc:
         lines = format_validation_error(exc, type(section)).splitlines()
-        raise ValueError("; ".join(f"{prefix}.{line}" if prefix and not line.startswith("(") else line
-                                   for line in lines)) from None
+        raise ValueError("; ".join(f"{prefix}.{line}" if prefix else line for line in lines)) from None
 
 
 def get_path(cfg: Section, dotted: str) -> Any:

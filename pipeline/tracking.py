@@ -19,6 +19,25 @@ MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
 
 
+def log_params(client, run_id: str, params: dict[str, Any]) -> None:
+    """Params in batches within MLflow's limits (100 per call, 6000 characters per value)."""
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+    for i in range(0, len(items), BATCH):
+        client.log_batch(run_id, params=items[i : i + BATCH])
+
+
+def log_metrics(client, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+    """Metrics at one step, in batches of MLflow's 1000-per-call limit."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+    for i in range(0, len(items), 1000):
+        client.log_batch(run_id, metrics=items[i : i + 1000])
+
+
 def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
     """Fail fast on an unreachable tracking server (MLflow's client would retry for minutes)."""
     if not tracking_uri.startswith(("http://", "https://")):
@@ -53,23 +72,14 @@ class Tracker:
         self.parent_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
 
     def start_stage(self, stage: str, params: dict[str, Any], tags: dict[str, str]) -> str:
-        from mlflow.entities import Param
-
         run = self.client.create_run(
             self.experiment_id, run_name=stage, tags={"mlflow.parentRunId": self.parent_id, "stage": stage, **tags}
         )
-        items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
-        for i in range(0, len(items), BATCH):
-            self.client.log_batch(run.info.run_id, params=items[i : i + BATCH])
+        log_params(self.client, run.info.run_id, params)
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-        for i in range(0, len(items), 1000):
-            self.client.log_batch(run_id, metrics=items[i : i + 1000])
+        log_metrics(self.client, run_id, metrics, step)
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         for k, v in tags.items():

@@ -149,10 +149,10 @@ class PPOConfig(Section):
         "PACK", description="Ray placement strategy of each role's ranks.")
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint policy and critic every N iterations (and at the end).")
     eval_prompts: int = Field(200, ge=0, description="Held-out prompts scored before and after PPO (0: skip).")
-    use_tuned: bool = Field(False, description="Use the best values of the tune stage's sweep over ppo (needs "
-                            "stages.tune with target: ppo).")
     eval_samples: int = Field(8, ge=0, description="Besides the greedy answer, sample this many responses per held-out "
                               "prompt (rollout sampling, fixed seed) and compare their mean scores too (0: greedy only).")
+    use_tuned: bool = Field(False, description="Use the best values of the tune stage's sweep over ppo (needs "
+                            "stages.tune with target: ppo).")
 
     @model_validator(mode="after")
     def _batches_fit(self) -> "PPOConfig":

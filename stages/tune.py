@@ -207,15 +207,14 @@ class TrialContext:
     last_step: int = 0
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
         from ray import tune
 
+        from pipeline.tracking import log_metrics
+
         self.metrics.update(metrics)
         self.last_step = max(self.last_step, step or 0)
-        now = int(time.time() * 1000)
-        MlflowClient(self.pipeline.tracking_uri).log_batch(
-            self.run_id, metrics=[Metric(k, float(v), now, step or 0) for k, v in metrics.items()])
+        log_metrics(MlflowClient(self.pipeline.tracking_uri), self.run_id, metrics, step)
         tune.report({**metrics, TIME_ATTR: step or 0})  # PPO's per-iteration results reach ASHA here
 
     def log_dict(self, data: Any, name: str) -> None:
@@ -238,11 +237,11 @@ class TrialContext:
 
 def _trial(config: dict, setup: dict) -> None:
     """Run the target stage once with this trial's sampled values; report its end to Tune."""
-    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
     from ray import tune
 
     from pipeline.config import PipelineConfig, flatten, with_values
+    from pipeline.tracking import log_params
 
     pipeline = PipelineConfig.model_validate(setup["pipeline"])
     trial_id = tune.get_context().get_trial_id()
@@ -254,8 +253,7 @@ def _trial(config: dict, setup: dict) -> None:
     try:
         base = getattr(pipeline.stages, setup["target"])
         cfg = with_values(base, params, prefix=f"stages.{setup['target']}")
-        client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in
-                                         sorted(flatten(cfg.model_dump(mode="json")).items())])
+        log_params(client, run_id, flatten(cfg.model_dump(mode="json")))
         work = Path(setup["work_dir"]) / trial_id
         ctx = TrialContext(f"{setup['target']} trial {trial_id}", pipeline, work / "out", work / "checkpoints",
                            {k: Path(v) for k, v in setup["inputs"].items()}, run_id)
