@@ -332,17 +332,29 @@ def _trial_runs(ctx) -> dict[str, Any]:
     return {r.data.tags["tune_trial_id"]: r for r in runs if "tune_trial_id" in r.data.tags}
 
 
+def last_reported(metrics: dict, history, metric: str):
+    """The trial's last value of `metric`. A trial's final report may lack it (a checkpoint-only report
+    sent just before ASHA's stop lands), so fall back to the last non-empty entry of its history."""
+    if metrics.get(metric) is not None:
+        return metrics[metric]
+    if history is None or metric not in getattr(history, "columns", ()):
+        return None
+    values = history[metric].dropna()
+    return None if values.empty else float(values.iloc[-1])
+
+
 def _finalise(ctx, grid, cfg: TuneConfig) -> list[dict]:
     """One row per trial; every trial's MLflow run ends with its status (trials never see their stop)."""
     runs, rows = _trial_runs(ctx), []
     for result in grid:
         trial_id = Path(result.path).name  # trial_dirname_creator names each trial's directory by its id
         metrics = result.metrics or {}
+        value = last_reported(metrics, result.metrics_dataframe, cfg.metric)
         run = runs.get(trial_id)
         status = trial_status(metrics, result.error)
         params = (result.config or {}).get("params", {})
         row = {"trial_id": trial_id, "status": status, **{f"param.{k}": v for k, v in params.items()},
-               TIME_ATTR: metrics.get(TIME_ATTR), cfg.metric: metrics.get(cfg.metric),
+               TIME_ATTR: metrics.get(TIME_ATTR), cfg.metric: value,
                "mlflow_run_id": run.info.run_id if run else None,
                "error": f"{type(result.error).__name__}: {result.error}"[:500] if result.error else ""}
         rows.append(row)

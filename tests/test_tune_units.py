@@ -10,7 +10,7 @@ from conftest import smoke_config
 from pipeline import artifacts
 from pipeline.errors import ConfigError
 from pipeline.runner import build_plan
-from stages.tune import best_trial, trial_status
+from stages.tune import best_trial, last_reported, trial_status
 
 SWEEP = ["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[1.0e-4, 1.0e-2]"]
 
@@ -66,6 +66,15 @@ def test_trial_status_and_best_trial():
     assert best_trial(rows, "eval_loss", "min")["id"] == "b"
     assert best_trial(rows, "eval_loss", "max")["id"] == "a"
     assert best_trial([{"id": "d"}], "eval_loss", "min") is None
+
+
+def test_last_reported_skips_a_final_report_without_the_metric():
+    import pandas as pd
+    history = pd.DataFrame({"step": [4, 8, 8], "eval_loss": [3.0, 2.5, None]})
+    assert last_reported({"step": 8}, history, "eval_loss") == 2.5
+    assert last_reported({"eval_loss": 1.0}, history, "eval_loss") == 1.0
+    assert last_reported({}, pd.DataFrame({"step": [1]}), "eval_loss") is None
+    assert last_reported({}, None, "eval_loss") is None
 
 
 def _finish_sweep(cfg, params: dict) -> None:
