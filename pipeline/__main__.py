@@ -1,10 +1,12 @@
-"""Command line: `python -m pipeline {run,plan,validate,ui} CONFIG [key.path=value ...]`.
+"""Command line: `python -m pipeline {run,plan,validate,ui,serve,batch-infer} CONFIG [key.path=value ...]`.
 
     python -m pipeline validate configs/full.yaml                 # check the YAML, start nothing
     python -m pipeline plan configs/full.yaml --from data         # stages, hit/miss and why
     python -m pipeline run configs/full.yaml stages.data.max_len=256
     python -m pipeline run configs/full.yaml --only data --force data
     python -m pipeline ui configs/full.yaml                       # MLflow UI on the run's store
+    python -m pipeline serve configs/full.yaml --model models:/posttrain-policy@champion   # until Ctrl-C
+    python -m pipeline batch-infer configs/full.yaml --prompts prompts.jsonl --output out/  # Parquet + summary
 
 Exit codes: 0 done, 1 a stage failed (traceback shown), 2 a user error (message names the key,
 file or stage and the fix; nothing written), 130 interrupted.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -49,6 +52,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="recompute these stages even if cached ('all' for every one)")
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
+    sv = common("serve", "serve a registered model behind the OpenAI-compatible API until Ctrl-C "
+                "(engine and endpoint from stages.serve)")
+    sv.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a local model directory "
+                    "(default: models:/<stages.serve.registry.model_name>@<alias>)")
+    bi = common("batch-infer", "generate completions for a prompts file with a registered model (settings from "
+                "stages.batch_infer); Parquet results and a summary, tracked in MLflow")
+    bi.add_argument("--model", help="models:/NAME@ALIAS or a local model directory (default: the serve stage's "
+                    "registered model, models:/<stages.serve.registry.model_name>@<alias>)")
+    bi.add_argument("--prompts", type=Path, help="a .jsonl or .parquet file of prompts (default: stages.batch_infer.prompts)")
+    bi.add_argument("--output", type=Path, help="a new directory for the results (default: <run_dir>/batch_infer/<time>)")
+    bi.add_argument("--reward-model", help="a reward model (registry URI or directory) to score completions with")
     return p
 
 
@@ -61,6 +75,75 @@ def _print_plan(plan, console) -> None:
         why = p.reason if p.status != "skip" else f"not selected ({'done' if p.finished else 'not done'})"
         table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key, why)
     console.print(table)
+
+
+def _default_model(cfg) -> str:
+    from stages.common.model_registry import model_uri
+
+    return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
+
+
+def _serve(cfg, args, console) -> int:
+    from pipeline.tracking import check_reachable
+    from stages.serve import serve_model
+
+    check_reachable(cfg.tracking_uri)
+    serve_model(cfg.stages.serve, args.model or _default_model(cfg), cfg.tracking_uri, cfg.run_dir / "registry_cache",
+                cfg.ray, lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] serve: {m}"))
+    return 0
+
+
+def _batch_infer(cfg, args, console) -> int:
+    """Batch inference outside the stage graph: any registered model, any prompts file, its own MLflow run."""
+    from pipeline.cluster import ensure_ray, shutdown_ray
+    from pipeline.config import flatten
+    from pipeline.tracking import Tracker
+    from stages.batch_infer import BatchInferConfig, infer
+    from stages.common.model_registry import fetch
+
+    section = cfg.stages.batch_infer or BatchInferConfig()
+    if args.prompts is not None:
+        section = BatchInferConfig.model_validate({**section.model_dump(), "prompts": args.prompts})
+    if section.prompts is None:
+        raise UserError("batch-infer: no prompts; pass --prompts FILE or set stages.batch_infer.prompts")
+    output = (args.output or cfg.run_dir / "batch_infer" / time.strftime("%Y%m%d-%H%M%S")).absolute()
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"--output {output}: exists and is not empty; give a new directory (nothing is overwritten)")
+    model = args.model or _default_model(cfg)
+    cache = cfg.run_dir / "registry_cache"
+    model_dir = fetch(model, cfg.tracking_uri, cache)
+    reward_dir = fetch(args.reward_model, cfg.tracking_uri, cache) if args.reward_model else None
+    if section.score.reward_model and reward_dir is None:
+        raise UserError("stages.batch_infer.score.reward_model is on: pass --reward-model URI|DIR, or turn it off")
+    log = lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] batch-infer: {m}")  # noqa: E731
+    tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name="batch-infer",
+                      tags={"model_uri": model, "prompts": str(section.prompts), "output": str(output)})
+    from pipeline.tracking import log_params
+
+    log_params(tracker.client, tracker.parent_id, flatten(section.model_dump(mode="json")))
+    started, status = ensure_ray(cfg.ray), "FAILED"
+    tmp = output.with_name(f".{output.name}.partial")
+    try:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed)
+        if output.exists():  # an empty directory the user made for it
+            output.rmdir()
+        tmp.rename(output)
+        tracker.log_metrics(tracker.parent_id, summary)
+        tracker.log_artifact(tracker.parent_id, output / "summary.json")
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.end(tracker.parent_id, status)
+        if started:
+            shutdown_ray()
+    console.print(f"[bold green]done[/]: {summary['rows']} rows ({summary['rows_failed']} failed) in {output}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             except KeyboardInterrupt:
                 return 0
 
+        if args.command == "serve":
+            return _serve(cfg, args, console)
+        if args.command == "batch-infer":
+            return _batch_infer(cfg, args, console)
         from pipeline.runner import build_plan, run_pipeline
 
         selection = {"only": args.only, "from_": args.from_, "to": args.to, "force": args.force}

@@ -21,11 +21,13 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 from pipeline.schema import Section
+from stages.batch_infer import BatchInferConfig
 from stages.common.models import ModelConfig
 from stages.common.tasks import TaskConfig
 from stages.data import DataConfig
 from stages.ppo import PPOConfig
 from stages.reward import RewardConfig
+from stages.serve import ServeConfig
 from stages.sft import SFTConfig
 from stages.tune import TuneConfig
 
@@ -70,6 +72,11 @@ class StagesConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + DeepSpeed).")
     ppo: PPOConfig = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed roles).")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="The serve stage (MLflow Model Registry + "
+                               "Ray Serve LLM).")
+    batch_infer: BatchInferConfig | None = Field(None, description="The batch_infer stage (Ray Data LLM over a "
+                                                 "prompts dataset); empty: no such stage (the batch-infer command "
+                                                 "still works).")
     tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward or ppo); "
                                     "empty: no sweep. See the README's tune section.")
 
@@ -133,6 +140,11 @@ class PipelineConfig(Section):
             raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
                              f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
                              "fewer engines or ranks, or raise ray.num_cpus")
+        serve = self.stages.serve
+        if serve.deploy and serve.cpus_needed() > have:
+            raise ValueError(f"stages.serve.replicas: {serve.replicas} replica(s) need {serve.cpus_needed()} logical "
+                             f"CPUs (2 each + the ingress) but the local Ray has {have} (ray.num_cpus); use fewer "
+                             "replicas or raise ray.num_cpus")
         tune = self.stages.tune
         if tune is not None:
             target = getattr(self.stages, tune.target)

@@ -36,22 +36,32 @@ STAGES: tuple[StageSpec, ...] = (
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs"),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced"),
+    StageSpec("serve", "stages.serve", "stages.serve", ("seed",), ("policy_model",), ("served_model",),
+              "MLflow Model Registry + Ray Serve LLM: register the model, serve an OpenAI-compatible API"),
 )
 
 
 def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
-    """The stages of a pipeline config: STAGES, plus the tune stage when `stages.tune` is set.
+    """The stages of a pipeline config: STAGES with serve reading its configured source model, plus
+    the batch_infer stage when `stages.batch_infer` is set and the tune stage when `stages.tune` is.
 
     The tune stage reads what its target reads (it runs the target's code on the same artifacts)
     and the target's config section. A target with `use_tuned: true` also consumes the sweep's
     `best_config`, which places the sweep before it.
     """
+    stages = tuple(replace(s, inputs=(cfg.stages.serve.source,)) if s.name == "serve" else s for s in STAGES)
+    batch = cfg.stages.batch_infer
+    if batch is not None:
+        inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),
+                  *(("reward_model",) if batch.score.reward_model else ()))
+        stages += (StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed",), inputs,
+                             ("predictions",), "Ray Data LLM: completions for a prompts dataset, scored, as Parquet"),)
     tune = cfg.stages.tune
     if tune is None:
-        return STAGES
+        return stages
     target = next(s for s in STAGES if s.name == tune.target)
     sweep = StageSpec("tune", "stages.tune", "stages.tune", ("seed", target.config), target.inputs, ("best_config",),
                       f"Ray Tune: sweep {tune.target}'s config, every trial its real training, tracked in MLflow",
                       code=(target.module,))
     uses = getattr(cfg.stages, tune.target).use_tuned
-    return tuple(replace(s, inputs=(*s.inputs, "best_config")) if s is target and uses else s for s in STAGES) + (sweep,)
+    return tuple(replace(s, inputs=(*s.inputs, "best_config")) if s is target and uses else s for s in stages) + (sweep,)

