@@ -111,6 +111,8 @@ def result(row: dict) -> dict:
     source = json.loads(row[SOURCE_COLUMN])
     problem = source.pop("__problem__", "")
     error = problem or str(row.get("__inference_error__") or "")
+    if error == "nan":  # a success row in a block that also holds an error row
+        error = ""
     return {**source, "completion": "" if error else str(row.get("generated_text") or ""),
             "num_input_tokens": 0 if error else int(row.get("num_input_tokens") or 0),
             "num_generated_tokens": 0 if error else int(row.get("num_generated_tokens") or 0), "error": error}
@@ -120,10 +122,12 @@ def verified(batch, answer_field: str):
     """Adds `correct` (1.0 / 0.0; empty without an answer or on error) by the task verifier (a pandas batch)."""
     from stages.common.tasks import verify
 
+    import pandas as pd
+
     answers = batch[answer_field] if answer_field in batch else [None] * len(batch)
     out = []
     for completion, answer, error in zip(batch["completion"], answers, batch["error"]):
-        ok = answer is not None and str(answer) not in ("", "nan", "None") and not error
+        ok = not pd.isna(answer) and str(answer) != "" and not error
         out.append(float(verify(completion, str(answer))) if ok else None)
     batch["correct"] = out
     return batch
@@ -220,7 +224,13 @@ def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
         chat_template_stage=cfg.chat, tokenize_stage=True, detokenize_stage=True,
         should_continue_on_error=True,
     )
-    return build_processor(config, preprocess=partial(request, cfg=cfg), postprocess=result)
+    # Rows that failed skip `postprocess` (Ray Data LLM returns their whole processor row instead), so
+    # the postprocess only picks the columns `result` reads, and `result` runs on every row afterwards.
+    return build_processor(config, preprocess=partial(request, cfg=cfg), postprocess=_outputs)
+
+
+def _outputs(row: dict) -> dict:
+    return {k: row.get(k) for k in (SOURCE_COLUMN, "generated_text", "num_input_tokens", "num_generated_tokens")}
 
 
 # --------------------------------------------------------------------------- driver
@@ -234,10 +244,10 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
     import pyarrow.parquet as pq
 
     ds = read_prompts(prompts, cfg.prompt_field)
-    log(f"generating for {prompts} with {model_dir.name} ({cfg.concurrency} engine(s), "
+    log(f"generating for {prompts} with {model_dir} ({cfg.concurrency} engine(s), "
         f"max {cfg.sampling.max_tokens} tokens, temperature {cfg.sampling.temperature})")
     t0 = time.time()
-    ds = processor(cfg, model_dir, seed)(ds)
+    ds = processor(cfg, model_dir, seed)(ds).map(result)
     if cfg.score.verifier:
         ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field}, batch_format="pandas",
                             batch_size=cfg.batch_size)
@@ -254,7 +264,7 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
     for r in failed[:5]:
         log(f"row failed: {str(r.get(cfg.prompt_field))[:60]!r}: {r['error'][:200]}")
     shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
-    log(f"{shown}; results in {predictions}")
+    log(shown)
     return summary
 
 
@@ -264,6 +274,7 @@ def run(cfg: BatchInferConfig, ctx) -> dict[str, Path]:
     ctx.ray()
     reward_dir = ctx.inputs.get("reward_model") if cfg.score.reward_model else None
     summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed)
+    ctx.progress(f"results in {ctx.out_dir / 'predictions'}")
     ctx.log_metrics(summary)
     ctx.tracker.log_artifact(ctx.run_id, ctx.out_dir / "summary.json")
     return {"predictions": ctx.out_dir / "predictions"}

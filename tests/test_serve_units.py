@@ -1,0 +1,157 @@
+"""Serve and batch-inference parts without Ray: the model registry on a real MLflow store, the request
+guard as an ASGI app, config validation, planning, and the pure helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import pytest
+
+from conftest import smoke_config
+from pipeline import artifacts
+from pipeline.errors import ConfigError, UserError
+from pipeline.runner import build_plan
+from stages.batch_infer import BatchInferConfig, request, result, summarize
+from stages.common import model_registry
+from stages.serve import RequestGuard, body_problem, key_tags, percentile
+
+
+def _model(path, weights: bytes):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_registry_versions_only_changed_models_and_moves_the_alias(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
+    run = lambda: client.create_run(exp).info.run_id  # noqa: E731
+    a = _model(tmp_path / "a", b"weights-1")
+    first = model_registry.register(client, "m", "champion", a, run(), {"cache_key": "k1", "metric.accuracy": "0.5"})
+    assert (first["version"], first["new_version"], first["uri"]) == (1, True, "models:/m@champion")
+
+    copy = shutil.copytree(a, tmp_path / "a-copy")  # same files elsewhere: the same model
+    again = model_registry.register(client, "m", "champion", copy, run(), {"cache_key": "k2"})
+    assert (again["version"], again["new_version"]) == (1, False)
+    assert len(client.search_model_versions("name = 'm'")) == 1
+
+    b = _model(tmp_path / "b", b"weights-2")
+    second = model_registry.register(client, "m", "champion", b, run(), {"cache_key": "k3"})
+    assert (second["version"], second["new_version"]) == (2, True)
+    version = client.get_model_version_by_alias("m", "champion")
+    assert int(version.version) == 2 and version.tags["cache_key"] == "k3" and version.tags["model_hash"] == second["model_hash"]
+    assert client.get_model_version("m", "1").tags["metric.accuracy"] == "0.5"
+
+    # Back to the first model: no third version, the alias returns to version 1.
+    back = model_registry.register(client, "m", "champion", a, run(), {})
+    assert (back["version"], back["new_version"]) == (1, False)
+    assert int(client.get_model_version_by_alias("m", "champion").version) == 1
+
+    # Fetched by URI, as another machine would: the files are the registered ones.
+    got = model_registry.fetch("models:/m@champion", uri, tmp_path / "cache")
+    assert (got / "model.safetensors").read_bytes() == b"weights-1"
+    assert model_registry.fetch("models:/m/2", uri, tmp_path / "cache").joinpath("model.safetensors").read_bytes() == b"weights-2"
+    assert not list((tmp_path / "cache" / "m").glob(".download-*"))  # no half-written download left behind
+    with pytest.raises(UserError, match="models:/m@nope: not found in the model registry"):
+        model_registry.fetch("models:/m@nope", uri, tmp_path / "cache")
+    with pytest.raises(UserError, match="not a model directory"):
+        model_registry.fetch(str(tmp_path), uri, tmp_path / "cache")
+
+
+def _call(app, method: str, body: bytes = b"", headers=()):
+    """Send one request through an ASGI app; returns (status, body bytes, body the inner app saw)."""
+    seen, sent = {}, []
+
+    async def inner(scope, receive, send):
+        seen["body"] = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": "/v1/completions", "headers": list(headers)}
+    asyncio.run(app(inner)(scope, receive, send))
+    return sent[0]["status"], sent[1]["body"], seen.get("body")
+
+
+def test_request_guard_checks_the_key_and_the_body():
+    def guard(key):
+        return lambda inner: RequestGuard(inner, key)
+
+    status, body, _ = _call(guard("s3cret"), "POST", b"{}")
+    assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+    status, _, _ = _call(guard("s3cret"), "POST", b"{}", [(b"authorization", b"Bearer wrong")])
+    assert status == 401
+    status, body, seen = _call(guard("s3cret"), "POST", b'{"a": 1}', [(b"authorization", b"Bearer s3cret")])
+    assert (status, body, seen) == (200, b"ok", b'{"a": 1}')  # the body reaches the ingress unchanged
+    status, body, seen = _call(guard(None), "POST", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"] and seen is None
+    assert _call(guard(None), "POST", b"[1, 2]")[0] == 400
+
+
+def test_pure_helpers():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 95) == 5.0
+    assert abs(percentile(list(map(float, range(1, 101))), 95) - 95.05) < 1e-9
+    assert body_problem(b'{"model": "x"}') is None and "not valid JSON" in body_problem(b"")
+    assert key_tags({"eval_accuracy": 0.25, "kl": 1.0, "eval_reward": "x"}, ["eval_accuracy", "eval_reward", "acc"]) == \
+        {"metric.eval_accuracy": "0.25"}
+
+
+def test_batch_rows_keep_every_input_and_report_failures():
+    cfg = BatchInferConfig()
+    ok = request({"prompt": "What is 1 + 2?", "answer": "3", "id": 7}, cfg)
+    assert ok["messages"] == [{"role": "user", "content": "What is 1 + 2?"}] and ok["sampling_params"]["max_tokens"] == 32
+    bad = request({"prompt": "  ", "answer": "3", "id": 8}, cfg)
+    # The processor answers ok with text; an error row comes back without postprocessing.
+    row_ok = result({**ok, "generated_text": "1 + 2 = 3", "num_input_tokens": 9, "num_generated_tokens": 5})
+    row_bad = result({**bad, "generated_text": "x", "num_generated_tokens": 1})
+    row_long = result({**ok, "__inference_error__": "VLLMValidationError: too long"})
+    assert row_ok == {"prompt": "What is 1 + 2?", "answer": "3", "id": 7, "completion": "1 + 2 = 3",
+                      "num_input_tokens": 9, "num_generated_tokens": 5, "error": ""}
+    assert row_bad["error"] == "'prompt' is empty or not text" and row_bad["completion"] == "" and row_bad["id"] == 8
+    assert row_long["error"].startswith("VLLMValidationError") and row_long["num_generated_tokens"] == 0
+    rows = [{**row_ok, "correct": 1.0, "reward": 0.5}, {**row_bad, "correct": None, "reward": None}, row_long]
+    assert summarize(rows, 2.0) == {"rows": 3, "rows_failed": 2, "generated_tokens": 5, "wall_s": 2.0,
+                                    "tokens_per_s": 2.5, "accuracy": 1.0, "accuracy_rows": 1, "mean_reward": 0.5}
+
+
+def test_serve_config_errors_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="stages.serve.registry.alias: .*reserved by MLflow"):
+        smoke_config(tmp_path, "stages.serve.registry.alias=v2")
+    with pytest.raises(ConfigError, match=r"stages.serve.replicas: 4 replica\(s\) need 9 logical CPUs"):
+        smoke_config(tmp_path, "ray.num_cpus=8", "stages.serve.replicas=4")
+    smoke_config(tmp_path, "ray.num_cpus=8", "stages.serve.replicas=4", "stages.serve.deploy=false")  # registers only
+    with pytest.raises(ConfigError, match="stages.serve.source: "):
+        smoke_config(tmp_path, "stages.serve.source=reward_model")
+    with pytest.raises(ConfigError, match="stages.batch_infer.prompts: prompts file not found"):
+        smoke_config(tmp_path, f"stages.batch_infer.prompts={tmp_path / 'none.jsonl'}")
+    (tmp_path / "p.txt").write_text("x")
+    with pytest.raises(ConfigError, match="p.txt: unsupported format"):
+        smoke_config(tmp_path, f"stages.batch_infer.prompts={tmp_path / 'p.txt'}")
+    with pytest.raises(ConfigError, match="stages.serve.engine.dtype"):
+        smoke_config(tmp_path, "stages.serve.engine.dtype=fp8")
+
+
+def test_serve_reads_its_source_and_runs_every_time_only_when_blocking(tmp_path):
+    plan = {p.spec.name: p for p in build_plan(smoke_config(tmp_path, "stages.serve.source=sft_model"))}
+    assert plan["serve"].spec.inputs == ("sft_model",)
+    cfg = smoke_config(tmp_path, "stages.serve.block=true")
+    for p in build_plan(cfg):  # pretend every stage has finished once with this config
+        artifacts.write_json_atomic(artifacts.artifact_dir(cfg.run_dir, p.spec.name, p.key) / artifacts.MANIFEST,
+                                    {"key": p.key})
+    plan = {p.spec.name: p for p in build_plan(cfg)}
+    assert all(plan[s].status == "hit" for s in ("model", "data", "sft", "reward", "ppo"))
+    assert plan["serve"].status == "miss" and "until Ctrl-C" in plan["serve"].reason
+    assert build_plan(smoke_config(tmp_path, "stages.serve.block=true", "stages.serve.deploy=false"))[-1].status == "miss"
