@@ -29,13 +29,14 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "model miss - never run" in first.stdout and "data miss - never run" in first.stdout
     assert "Ray started" in first.stdout
+    assert "serve: registered new version 1 of posttrain-policy" in first.stdout
 
     # Everything cached: no stage runs and Ray is never contacted (an unreachable RAY_ADDRESS
     # would fail the run if anything tried).
     second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert second.returncode == 0, second.stderr[-3000:]
-    assert all(f"{s} hit" in second.stdout for s in ("model", "data", "sft", "reward", "ppo"))
-    assert "0 stages run, 5 cached; Ray not started" in second.stdout
+    assert all(f"{s} hit" in second.stdout for s in ("model", "data", "sft", "reward", "ppo", "serve"))
+    assert "0 stages run, 6 cached; Ray not started" in second.stdout
 
     # Lineage: two parent runs, each with a nested run per stage carrying config, tags and metrics.
     client, runs = _runs(run_dir)
@@ -52,10 +53,21 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert {a.path for a in client.list_artifacts(data_hit.info.run_id)} == {"manifest.json"}
     assert "resolved_config.json" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
 
+    # The serve stage registered the PPO policy with its lineage, deployed it and measured a smoke load.
+    serve = children[(parents[0].info.run_id, "serve")]
+    ppo = children[(parents[0].info.run_id, "ppo")]
+    assert serve.data.metrics["smoke_requests"] == 8 and serve.data.metrics["smoke_tokens_per_s"] > 0
+    assert 0 < serve.data.metrics["smoke_latency_p50_s"] <= serve.data.metrics["smoke_latency_p95_s"]
+    version = client.get_model_version_by_alias("posttrain-policy", "champion")
+    assert int(version.version) == 1 and version.run_id == serve.info.run_id
+    assert version.tags["source_cache_key"] == ppo.data.tags["cache_key"]
+    assert version.tags["pipeline_run_id"] == parents[0].info.run_id
+    assert float(version.tags["metric.eval_accuracy"]) == pytest.approx(ppo.data.metrics["eval_accuracy"], rel=1e-5)
+
     # A config change reruns data only, and plan says why before anything runs.
     plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}", "stages.data.max_len=48")
     assert "config changed: stages.data.max_len" in plan.stdout
-    assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 4  # data and what follows it
+    assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 5  # data and what follows it
 
 
 def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path):

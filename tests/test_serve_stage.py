@@ -1,0 +1,180 @@
+"""The serve stage on smoke's base model: registry versions through the pipeline, then a real Ray Serve LLM
+server (fetched back from the registry) answering the official `openai` client, concurrent load and
+malformed requests; and `python -m pipeline batch-infer` on the registered model."""
+
+from __future__ import annotations
+
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from rich.console import Console
+
+from conftest import SMOKE, run_cli, smoke_config
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key-123"
+PORT = 18437
+REGISTER = ["stages.serve.source=base_model", "stages.serve.deploy=false"]
+
+
+@pytest.fixture(scope="module")
+def registered(smoke_upstream, tmp_path_factory, tracking_uri):
+    """Three pipeline runs of the serve stage (register only); returns (run_dir, [registry info per run])."""
+    from pipeline.runner import run_pipeline
+
+    run_dir = smoke_upstream(tmp_path_factory.mktemp("serve"))
+    infos = []
+    for overrides, only in ((REGISTER, ["serve"]),
+                            ([*REGISTER, "stages.serve.smoke.requests=3"], ["serve"]),  # serve reruns, same model
+                            ([*REGISTER, "model.builtin.intermediate_size=96"], ["model", "serve"])):  # a new model
+        cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
+        summary = run_pipeline(cfg, SMOKE, Console(quiet=True), only=only)
+        assert next(p for p in summary["plan"] if p.spec.name == "serve").status == "miss"
+        infos.append({**summary["stages"]["serve"]["metrics"], "run_id": summary["run_ids"]["serve"]})
+    return run_dir, infos
+
+
+def test_unchanged_model_adds_no_version_and_a_changed_one_moves_the_alias(registered, tracking_uri):
+    from mlflow.tracking import MlflowClient
+
+    _, infos = registered
+    assert [(i["registered_version"], i["new_version"]) for i in infos] == [(1, 1), (1, 0), (2, 1)]
+    client = MlflowClient(tracking_uri)
+    assert len(client.search_model_versions("name = 'posttrain-policy'")) == 2
+    champion = client.get_model_version_by_alias("posttrain-policy", "champion")
+    assert int(champion.version) == 2 and champion.run_id == infos[2]["run_id"]
+    assert champion.tags["source"] == "base_model" and champion.tags["source_cache_key"]
+
+
+@pytest.fixture(scope="module")
+def server(registered, tracking_uri, ray_local, tmp_path_factory, monkeypatch_module):
+    """The champion version, fetched by its registry URI and served with an API key, for the module."""
+    from stages.common.model_registry import fetch
+    from stages.serve import Server
+
+    run_dir, _ = registered
+    monkeypatch_module.setenv("SERVE_TEST_KEY", KEY)
+    cfg = smoke_config(run_dir, f"stages.serve.http.port={PORT}", "stages.serve.http.api_key_env=SERVE_TEST_KEY",
+                       "stages.serve.engine.max_num_seqs=16").stages.serve
+    model_dir = fetch("models:/posttrain-policy@champion", tracking_uri, tmp_path_factory.mktemp("registry_cache"))
+    with Server(cfg, model_dir, print) as url:
+        yield url, cfg.served_name()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def _client(url, key=KEY):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_openai_client_chat_completion_and_streaming(server):
+    url, model = server
+    client = _client(url)
+    assert [m.id for m in client.models.list().data] == [model]
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                          max_tokens=8, temperature=0.0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens > 0
+
+    text = client.completions.create(model=model, prompt="Calculate 4 + 1.", max_tokens=8, temperature=0.0)
+    assert text.usage.completion_tokens > 0 and isinstance(text.choices[0].text, str)
+
+    # Streamed greedy text is the same text, arriving in several chunks.
+    chunks = [c.choices[0].text for c in client.completions.create(model=model, prompt="Calculate 4 + 1.", max_tokens=8,
+                                                                   temperature=0.0, stream=True) if c.choices]
+    assert len(chunks) > 1 and "".join(chunks) == text.choices[0].text
+    streamed_chat = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}], max_tokens=8, temperature=0.0,
+        stream=True) if c.choices]
+    assert "".join(streamed_chat) == chat.choices[0].message.content
+
+
+def test_sixteen_concurrent_requests_all_succeed(server):
+    url, model = server
+    client = _client(url)
+
+    def one(i):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"What is {i} + 1?"}],
+                                           max_tokens=6, temperature=0.0)
+        return r.usage.completion_tokens
+
+    with ThreadPoolExecutor(16) as pool:
+        tokens = list(pool.map(one, range(16)))
+    assert len(tokens) == 16 and all(t > 0 for t in tokens)
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
+    import httpx
+
+    url, model = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        def post(path, body, headers=auth, **kw):
+            return http.post(path, content=body if isinstance(body, (bytes, str)) else json.dumps(body),
+                             headers={"content-type": "application/json", **headers}, **kw)
+
+        good = {"model": model, "prompt": "Calculate 1 + 1.", "max_tokens": 4}
+        cases = {
+            "no key": post("/v1/completions", good, headers={}),
+            "wrong key": post("/v1/completions", good, headers={"Authorization": "Bearer nope"}),
+            "bad JSON": post("/v1/completions", b'{"model": '),
+            "non-JSON as text/plain": http.post("/v1/completions", content=b"hello", headers={**auth, "content-type": "text/plain"}),
+            "unknown model": post("/v1/completions", {**good, "model": "no-such-model"}),
+            "negative max_tokens": post("/v1/chat/completions", {"model": model, "max_tokens": -5,
+                                                                 "messages": [{"role": "user", "content": "hi"}]}),
+            "prompt longer than the context": post("/v1/completions", {**good, "prompt": "1 + 1 " * 400}),
+        }
+        statuses = {name: r.status_code for name, r in cases.items()}
+        assert statuses == {"no key": 401, "wrong key": 401, "bad JSON": 400, "non-JSON as text/plain": 400,
+                            "unknown model": 404, "negative max_tokens": 400, "prompt longer than the context": 400}
+        assert "max_tokens" in cases["negative max_tokens"].text and "context length" in cases["prompt longer than the context"].text
+        after = post("/v1/completions", good)
+        assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] > 0
+        assert http.get("/-/healthz").status_code == 200  # health needs no key
+
+
+def test_binds_to_loopback_only(server):
+    ip = socket.gethostbyname(socket.gethostname())
+    assert ip.startswith("127.") or socket.socket().connect_ex((ip, PORT)) != 0
+
+
+def test_batch_infer_writes_one_row_per_prompt(registered, tracking_uri, tmp_path):
+    import pyarrow.parquet as pq
+    from mlflow.tracking import MlflowClient
+
+    run_dir, _ = registered
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(5)]
+    rows += [{"prompt": "", "answer": "0"}, {"prompt": "1 + 1 " * 400, "answer": "2"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    result = run_cli("batch-infer", str(SMOKE), f"run_dir={run_dir}", f"mlflow.tracking_uri={tracking_uri}",
+                     "--model", "models:/posttrain-policy@champion", "--prompts", str(prompts), "--output", str(out),
+                     "stages.batch_infer.sampling.max_tokens=6", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = pq.read_table(out / "predictions").to_pylist()
+    assert sorted(r["prompt"] for r in table) == sorted(r["prompt"] for r in rows)
+    by_prompt = {r["prompt"]: r for r in table}
+    assert by_prompt[""]["error"] and "context length" in by_prompt["1 + 1 " * 400]["error"]
+    good = [by_prompt[r["prompt"]] for r in rows[:5]]
+    assert all(not r["error"] and r["num_generated_tokens"] > 0 and r["correct"] in (0.0, 1.0) for r in good)
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["rows"], summary["rows_failed"], summary["accuracy_rows"]) == (7, 2, 5)
+    assert "2 failed" in result.stdout
+    client = MlflowClient(tracking_uri)
+    run = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
+                             filter_string="attributes.run_name = 'batch-infer'")[0]
+    assert run.data.metrics["rows"] == 7 and run.data.metrics["rows_failed"] == 2
+    # A second call never overwrites the results.
+    again = run_cli("batch-infer", str(SMOKE), f"run_dir={run_dir}", f"mlflow.tracking_uri={tracking_uri}",
+                    "--prompts", str(prompts), "--output", str(out))
+    assert again.returncode == 2 and "exists and is not empty" in again.stderr
