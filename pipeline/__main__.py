@@ -15,6 +15,7 @@ file or stage and the fix; nothing written), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -34,9 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline", description="Declarative LLM post-training pipeline on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(name: str, help_: str) -> argparse.ArgumentParser:
+    def common(name: str, help_: str, optional: bool = False) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
-        sp.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/full.yaml")
+        sp.add_argument("config", type=Path, nargs="?" if optional else None,
+                        help="pipeline YAML, e.g. configs/full.yaml" + (" (optional: defaults, and the tracking "
+                                                                        "store of MLFLOW_TRACKING_URI)" if optional else ""))
         sp.add_argument("overrides", nargs="*", metavar="key.path=value", help="override a config value")
         return sp
 
@@ -53,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
     sv = common("serve", "serve a registered model behind the OpenAI-compatible API until Ctrl-C "
-                "(engine and endpoint from stages.serve)")
+                "(engine and endpoint from stages.serve)", optional=True)
     sv.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a local model directory "
                     "(default: models:/<stages.serve.registry.model_name>@<alias>)")
     bi = common("batch-infer", "generate completions for a prompts file with a registered model (settings from "
@@ -161,7 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from pipeline.config import load_config
 
-        cfg = load_config(args.config, args.overrides)
+        if args.config is not None and "=" in str(args.config) and not args.config.exists():
+            args.overrides, args.config = [str(args.config), *args.overrides], None  # `serve key=value --model ...`
+        if args.config is None:  # only `serve` may omit it: built-in defaults, the environment's tracking store
+            env_uri = os.environ.get("MLFLOW_TRACKING_URI")
+            extra = [f"mlflow.tracking_uri={env_uri}"] if env_uri else []
+            cfg = load_config(None, [*extra, *args.overrides])
+        else:
+            cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
             import yaml
 

@@ -241,10 +241,10 @@ def format_validation_error(exc: ValidationError, root: type[Section] = Pipeline
     return "\n".join(lines)
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Read, override and validate a pipeline YAML; raise `ConfigError` on any user mistake."""
-    path = Path(path)
-    data = _read_yaml(path)
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Read, override and validate a pipeline YAML (None: the defaults); raise `ConfigError` on any user mistake."""
+    path = Path(path) if path is not None else Path("(defaults)")
+    data = _read_yaml(path) if str(path) != "(defaults)" else {}
     for text in overrides:
         apply_override(data, *parse_override(text))
     try:

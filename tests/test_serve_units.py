@@ -155,3 +155,13 @@ def test_serve_reads_its_source_and_runs_every_time_only_when_blocking(tmp_path)
     assert all(plan[s].status == "hit" for s in ("model", "data", "sft", "reward", "ppo"))
     assert plan["serve"].status == "miss" and "until Ctrl-C" in plan["serve"].reason
     assert build_plan(smoke_config(tmp_path, "stages.serve.block=true", "stages.serve.deploy=false"))[-1].status == "miss"
+
+
+def test_serve_command_without_a_config_names_the_missing_model(tmp_path):
+    from conftest import run_cli
+
+    result = run_cli("serve", f"run_dir={tmp_path}", "--model", "models:/no-such-model@champion",
+                     env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "models:/no-such-model@champion: not found in the model registry" in result.stderr
+    assert str(tmp_path / "m.db") in result.stderr  # it looked in the environment's tracking store
