@@ -1,4 +1,4 @@
-"""Command line: `python -m pipeline {run,plan,validate,ui,serve,batch-infer} CONFIG [key.path=value ...]`.
+"""Command line: `python -m pipeline {run,plan,validate,ui,serve,batch-infer,submit} CONFIG [key.path=value ...]`.
 
     python -m pipeline validate configs/full.yaml                 # check the YAML, start nothing
     python -m pipeline plan configs/full.yaml --from data         # stages, hit/miss and why
@@ -7,9 +7,16 @@
     python -m pipeline ui configs/full.yaml                       # MLflow UI on the run's store
     python -m pipeline serve configs/full.yaml --model models:/posttrain-policy@champion   # until Ctrl-C
     python -m pipeline batch-infer configs/full.yaml --prompts prompts.jsonl --output out/  # Parquet + summary
+    python -m pipeline submit configs/full.yaml --address http://HEAD:8265 --wait   # as a Ray Job
+    python -m pipeline status|logs|stop JOB_ID
 
-Exit codes: 0 done, 1 a stage failed (traceback shown), 2 a user error (message names the key,
-file or stage and the fix; nothing written), 130 interrupted.
+Exit codes (for schedulers; `run --json` also prints a machine-readable summary on stdout):
+    0   success
+    1   a stage failed (traceback on stderr; the stage left no artifact, a rerun resumes it)
+    2   configuration or usage error (the message names the key, file or stage and the fix;
+        nothing was written)
+    3   another run holds the run directory's lock (try again later)
+    130 interrupted (Ctrl-C or SIGTERM)
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         return sp
 
     common("validate", "validate a config and print the resolved result")
-    for name, help_ in (("plan", "show stages in order with cache hit/miss and why"), ("run", "run the pipeline")):
+    for name, help_ in (("plan", "show stages in order with cache hit/miss and why"), ("run", "run the pipeline"),
+                        ("submit", "submit the run to a Ray cluster as a Ray Job and print its id")):
         sp = common(name, help_)
         # One value per flag (repeat it, or use commas) so overrides after it stay overrides.
         sp.add_argument("--only", action="extend", type=_names, default=[], metavar="STAGE[,STAGE]",
@@ -53,6 +61,21 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--to", metavar="STAGE", help="run everything up to and including this stage")
         sp.add_argument("--force", action="extend", type=_names, default=[], metavar="STAGE[,STAGE]",
                         help="recompute these stages even if cached ('all' for every one)")
+        if name == "submit":
+            sp.add_argument("--address", help="the cluster's dashboard URL (default: RAY_API_SERVER_ADDRESS or an "
+                            f"http RAY_ADDRESS, else {'http://127.0.0.1:8265'})")
+            sp.add_argument("--wait", action="store_true", help="follow the job's log; exit with its outcome")
+        if name == "run":
+            sp.add_argument("--json", action="store_true",
+                            help="print a machine-readable summary on stdout (per stage: hit/miss, duration, "
+                            "artifact path, MLflow run id); progress goes to stderr")
+    for name, help_ in (("status", "show a submitted job's status"), ("logs", "print a submitted job's log"),
+                        ("stop", "stop a submitted job (its running stage leaves no artifact and resumes next time)")):
+        jp = sub.add_parser(name, help=help_, description=help_)
+        jp.add_argument("job_id", help="the id `submit` printed")
+        jp.add_argument("--address", help="the cluster's dashboard URL (default as for submit)")
+        if name == "logs":
+            jp.add_argument("--follow", action="store_true", help="keep printing until the job ends")
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
     sv = common("serve", "serve a registered model behind the OpenAI-compatible API until Ctrl-C "
@@ -149,6 +172,38 @@ def _batch_infer(cfg, args, console) -> int:
     return 0
 
 
+EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+_OUTCOME = {EXIT_OK: "succeeded", EXIT_FAILED: "failed", EXIT_USER: "config_error", EXIT_LOCKED: "locked",
+            EXIT_INTERRUPTED: "interrupted"}
+
+
+def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
+    """The `run --json` document: the outcome and, per stage, what happened and where its results are."""
+    from pipeline import artifacts
+
+    stages = []
+    for p in summary.get("plan", []):
+        name = p.spec.name
+        manifest = summary.get("stages", {}).get(name)
+        if manifest is not None:
+            status = p.status
+        elif p.status == "skip":
+            status = "skip"
+        else:
+            status = "failed" if summary.get("running") == name else "not_run"
+        out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
+        stages.append({
+            "name": name, "status": status, "reason": p.reason, "cache_key": p.key,
+            "duration_s": summary.get("durations", {}).get(name),
+            "artifact": str(out_dir) if manifest is not None or (status == "skip" and p.finished) else None,
+            "outputs": {k: str(v) for k, v in artifacts.output_paths(manifest, out_dir).items()} if manifest else {},
+            "mlflow_run_id": summary.get("run_ids", {}).get(name),
+        })
+    return {"status": _OUTCOME.get(exit_code, "failed"), "exit_code": exit_code, "error": error,
+            "run_dir": str(cfg.run_dir) if cfg else None, "tracking_uri": cfg.tracking_uri if cfg else None,
+            "mlflow_parent_run_id": summary.get("parent_run_id"), "stages": stages}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # Overrides may come after flags (`--only model key=value`); argparse leaves those unknown.
@@ -156,69 +211,130 @@ def main(argv: list[str] | None = None) -> int:
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides = [*args.overrides, *extra]
+    if extra and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     from rich.console import Console
 
-    console = Console(highlight=False, soft_wrap=True)
+    as_json = getattr(args, "json", False)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    console = err if as_json else Console(highlight=False, soft_wrap=True)  # with --json, stdout is the summary
+    state: dict = {"cfg": None, "summary": {}}
+    if as_json:
+        import contextlib
+
+        with contextlib.redirect_stdout(sys.stderr):  # stray prints (Ray's log monitor) must not break the JSON
+            code, error = _main(args, console, err, state)
+        import json
+
+        print(json.dumps(json_summary(state["cfg"], state["summary"], code, error), indent=2))
+        return code
+    return _main(args, console, err, state)[0]
+
+
+def _main(args, console, err, state: dict) -> tuple[int, str | None]:
+    """Run the command; (exit code, error message or None). `state` receives the config and run summary."""
+    from rich.markup import escape
+
+    from pipeline.errors import LockError
+
     try:
-        from pipeline.config import load_config
-
-        if args.config is not None and "=" in str(args.config) and not args.config.exists():
-            args.overrides, args.config = [str(args.config), *args.overrides], None  # `serve key=value --model ...`
-        if args.config is None:  # only `serve` may omit it: built-in defaults, the environment's tracking store
-            env_uri = os.environ.get("MLFLOW_TRACKING_URI")
-            extra = [f"mlflow.tracking_uri={env_uri}"] if env_uri else []
-            cfg = load_config(None, [*extra, *args.overrides])
-        else:
-            cfg = load_config(args.config, args.overrides)
-        if args.command == "validate":
-            import yaml
-
-            console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
-            console.print(f"[green]{args.config}: valid[/]")
-            return 0
-        if args.command == "ui":
-            if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
-                console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
-                return 0
-            cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
-                   "--host", "127.0.0.1", "--port", str(args.port)]
-            console.print(f"MLflow UI for {cfg.tracking_uri} at http://127.0.0.1:{args.port} (Ctrl-C stops it)")
-            try:
-                return subprocess.call(cmd)
-            except KeyboardInterrupt:
-                return 0
-
-        if args.command == "serve":
-            return _serve(cfg, args, console)
-        if args.command == "batch-infer":
-            return _batch_infer(cfg, args, console)
-        from pipeline.runner import build_plan, run_pipeline
-
-        selection = {"only": args.only, "from_": args.from_, "to": args.to, "force": args.force}
-        plan = build_plan(cfg, **selection)  # reads only: user errors surface before anything is written
-        if args.command == "plan":
-            _print_plan(plan, console)
-            return 0
-        from pipeline.tracking import check_reachable
-
-        check_reachable(cfg.tracking_uri)
-        summary = run_pipeline(cfg, args.config, console, **selection)
-        ran = sum(p.status == "miss" for p in summary["plan"])
-        cached = sum(p.status == "hit" for p in summary["plan"])
-        console.print(f"[bold green]done[/]: {ran} stages run, {cached} cached; Ray "
-                      f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
-        return 0
+        return _command(args, console, state), None
+    except LockError as exc:
+        err.print(f"[bold yellow]locked:[/] {escape(str(exc))}")
+        return EXIT_LOCKED, str(exc)
     except UserError as exc:
-        from rich.markup import escape
-
         err.print(f"[bold red]error:[/] {escape(str(exc))}")
-        return 2
+        return EXIT_USER, str(exc)
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]: the running stage wrote no manifest and will rerun (resuming from its "
                   "last checkpoint, if it has one) next time")
-        return 130
+        return EXIT_INTERRUPTED, "interrupted"
+    except Exception as exc:  # a stage (or the code) failed: show where, exit 1
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        stage = state["summary"].get("running")
+        message = f"stage '{stage}' failed: {type(exc).__name__}: {exc}" if stage else f"{type(exc).__name__}: {exc}"
+        err.print(f"[bold red]failed:[/] {escape(message)}")
+        if stage:
+            err.print("  it left no artifact; fix the cause and run again (it resumes from its last checkpoint)")
+        return EXIT_FAILED, message
+
+
+def _command(args, console, state: dict) -> int:
+    from pipeline import jobs
+    from pipeline.config import load_config
+
+    if args.command == "status":
+        return jobs.status(args.address, args.job_id, console)
+    if args.command == "logs":
+        return jobs.logs(args.address, args.job_id, args.follow)
+    if args.command == "stop":
+        return jobs.stop(args.address, args.job_id, console)
+    if args.command == "submit" and not any(o.startswith("ray.address=") for o in args.overrides):
+        # The job's driver joins its cluster (RAY_ADDRESS is set for it); nor is this machine's CPU count
+        # the limit to validate against.
+        args.overrides = [*args.overrides, "ray.address=auto"]
+
+    if args.config is not None and "=" in str(args.config) and not args.config.exists():
+        args.overrides, args.config = [str(args.config), *args.overrides], None  # `serve key=value --model ...`
+    if args.config is None:  # only `serve` may omit it: built-in defaults, the environment's tracking store
+        env_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        extra = [f"mlflow.tracking_uri={env_uri}"] if env_uri else []
+        cfg = load_config(None, [*extra, *args.overrides])
+    else:
+        cfg = load_config(args.config, args.overrides)
+    state["cfg"] = cfg
+    if args.command == "validate":
+        import yaml
+
+        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        console.print(f"[green]{args.config}: valid[/]")
+        return 0
+    if args.command == "ui":
+        if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
+            console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
+            return 0
+        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
+               "--host", "127.0.0.1", "--port", str(args.port)]
+        console.print(f"MLflow UI for {cfg.tracking_uri} at http://127.0.0.1:{args.port} (Ctrl-C stops it)")
+        try:
+            return subprocess.call(cmd)
+        except KeyboardInterrupt:
+            return 0
+    if args.command == "serve":
+        return _serve(cfg, args, console)
+    if args.command == "batch-infer":
+        return _batch_infer(cfg, args, console)
+    from pipeline.runner import build_plan, run_pipeline
+
+    selection = {"only": args.only, "from_": args.from_, "to": args.to, "force": args.force}
+    if args.command == "submit":
+        from pipeline.registry import stages_for
+        from pipeline.runner import ordered, select
+
+        stages = ordered(stages_for(cfg))
+        select(stages, args.only, args.from_, args.to)  # bad stage names fail here, not on the cluster
+        for name in set(args.force) - {"all"}:
+            select(stages, only=[name])
+        job_id = jobs.submit(cfg, args.config, args.address, selection, console)
+        print(job_id)
+        return jobs.wait(args.address, job_id, console) if args.wait else 0
+    plan = build_plan(cfg, **selection)  # reads only: user errors surface before anything is written
+    state["summary"]["plan"] = plan
+    if args.command == "plan":
+        _print_plan(plan, console)
+        return 0
+    from pipeline.tracking import check_reachable
+
+    check_reachable(cfg.tracking_uri)
+    summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
+    ran = sum(p.status == "miss" for p in summary["plan"])
+    cached = sum(p.status == "hit" for p in summary["plan"])
+    console.print(f"[bold green]done[/]: {ran} stages run, {cached} cached; Ray "
+                  f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
+    return 0
 
 
 if __name__ == "__main__":

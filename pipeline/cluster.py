@@ -4,28 +4,58 @@ Only stages that need Ray call `ensure_ray` (through `ctx.ray()`), so a fully ca
 starts it. A local instance oversubscribes logical CPUs on purpose (DESIGN.md §2.6): rollout
 engines, trainer workers and Serve replicas each reserve a CPU, and on a 2-core machine an exact
 count would leave work waiting forever. On a cluster, Ray's own resources are used as they are.
+
+Joining a cluster (`ray.address` or RAY_ADDRESS) ships the project's code to every node as the
+job's runtime environment (`working_dir`), unless this process already is a submitted Ray Job's
+driver (`python -m pipeline submit`), whose runtime environment carries it. On a cluster of more
+than one node, the run directory must be shared: every node writes checkpoints into it and reads
+its inputs from it, so `check_shared_storage` asks each node to read a file the driver wrote and
+to write one back, and stops the run with a clear error before any work if one cannot.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
+from pathlib import Path
+
+# What the cluster's workers need of the project is its code, not the venv, runs or tests.
+RUNTIME_EXCLUDES = [".venv", ".git", "runs", "tests", "bench", "**/__pycache__", "*.egg-info", "mlruns"]
+JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 
 
-def ensure_ray(ray_cfg) -> bool:
-    """Connect to Ray if not connected yet; True if this call started (and so must stop) it."""
+def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -> bool:
+    """Connect to Ray if not connected yet; True if this call started (and so must stop) it.
+
+    With `run_dir`, a multi-node cluster is first checked to share it (`check_shared_storage`)."""
     import ray
 
     if ray.is_initialized():
         return False
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
+        from pipeline.artifacts import PROJECT_ROOT
+
+        _check_reachable(address)
+        runtime_env = None if JOB_DRIVER_ENV in os.environ else {
+            "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES}
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             from pipeline.errors import UserError
 
             raise UserError(f"ray.address: cannot connect to the Ray cluster at {address!r} ({exc}); start it with "
                             "`ray start --head`, fix ray.address / RAY_ADDRESS, or leave both empty for a local Ray") from None
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        log(f"joined the Ray cluster at {address}: {len(nodes)} node(s), "
+            f"{sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs, {sum(n['Resources'].get('GPU', 0) for n in nodes):g} GPUs")
+        if run_dir is not None:
+            try:
+                if check_shared_storage(run_dir):
+                    log(f"run_dir is readable and writable from all {len(nodes)} nodes")
+            except BaseException:
+                ray.shutdown()
+                raise
     else:
         gib = ray_cfg.object_store_memory_gb
         ray.init(
@@ -37,8 +67,92 @@ def ensure_ray(ray_cfg) -> bool:
     return True
 
 
+def _check_reachable(address: str, timeout_s: float = 10) -> None:
+    """Fail in seconds on a wrong address: `ray.init` itself retries an unreachable GCS for minutes."""
+    import socket
+
+    from pipeline.errors import UserError
+
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"ray.address {address!r}: expected 'auto', 'HOST:PORT' or 'ray://HOST:PORT' "
+                        "(RAY_ADDRESS takes the same forms)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UserError(f"ray.address: nothing answers at {address!r} ({exc.strerror or exc}); start the cluster "
+                        "(`ray start --head`), fix ray.address / RAY_ADDRESS, or leave both empty for a local "
+                        "Ray") from None
+
+
 def shutdown_ray() -> None:
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+# --------------------------------------------------------------------------- shared storage
+
+
+def probe_storage(path: str, token: str) -> dict:
+    """On one node: can it read the driver's marker under `path`, and write next to it?"""
+    import socket
+
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    report = {"node_id": node, "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
+              "reads": False, "writes": False, "error": ""}
+    marker = Path(path) / f".storage-check-{token}"
+    try:
+        report["reads"] = marker.read_text() == token
+        mine = Path(path) / f".storage-check-{token}-{node[:12]}"
+        mine.write_text(node)
+        mine.unlink()
+        report["writes"] = True
+    except OSError as exc:
+        report["error"] = f"{type(exc).__name__}: {exc.strerror or exc}"
+    return report
+
+
+def storage_problems(path: str, reports: list[dict]) -> list[str]:
+    """One line per node that cannot use `path` (empty: every node can)."""
+    lines = []
+    for r in reports:
+        if not r["reads"]:
+            lines.append(f"node {r['node_id'][:12]} ({r['host']}, {r['ip']}) does not see {path} as the driver does"
+                         + (f" ({r['error']})" if r["error"] else " (a different, local directory there)"))
+        elif not r["writes"]:
+            lines.append(f"node {r['node_id'][:12]} ({r['host']}, {r['ip']}) cannot write to {path} ({r['error']})")
+    return lines
+
+
+def check_shared_storage(run_dir: Path, timeout_s: float = 120) -> list[dict]:
+    """On a multi-node cluster, make sure every alive node reads and writes `run_dir`; the per-node reports."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pipeline.errors import UserError
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token = uuid.uuid4().hex
+    marker = run_dir / f".storage-check-{token}"
+    marker.write_text(token)
+    probe = ray.remote(num_cpus=0, max_retries=0)(probe_storage)
+    try:
+        reports = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+                           .remote(str(run_dir), token) for n in nodes], timeout=timeout_s)
+    finally:
+        marker.unlink(missing_ok=True)
+    problems = storage_problems(str(run_dir), reports)
+    if problems:
+        raise UserError(f"run_dir {run_dir} is not shared by all {len(nodes)} nodes of the Ray cluster:\n  "
+                        + "\n  ".join(problems) + "\nput run_dir on storage every node mounts at the same path "
+                        "(NFS, EFS, Filestore, or a bucket mounted with mountpoint-s3 / gcsfuse)")
+    return reports

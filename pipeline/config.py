@@ -88,6 +88,11 @@ class PipelineConfig(Section):
         Path("runs/default"),
         description="Where artifacts, checkpoints, the lock file and the default MLflow store live.",
     )
+    min_free_gb: float = Field(
+        1.0, ge=0,
+        description="Refuse to start when run_dir's filesystem has less free space than this (GiB): a full disk "
+        "then fails before any work, not in the middle of a checkpoint.",
+    )
     seed: int = Field(0, ge=0, description="Seed for data generation, splits, model init and training.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection settings.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking settings.")

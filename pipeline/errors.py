@@ -11,3 +11,7 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Raw data that cannot be used; the message names the file and line."""
+
+
+class LockError(UserError):
+    """Another run holds the run directory's lock (exit code 3: try again later, nothing is wrong)."""

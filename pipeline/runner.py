@@ -25,7 +25,7 @@ from typing import Any
 
 from pipeline import artifacts
 from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
-from pipeline.errors import UserError
+from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
 
 PENDING = "pending"  # the upstream of a stage whose tuned values are not known yet (its sweep has not run)
@@ -235,6 +235,26 @@ def _check_needed(plan: list[PlannedStage], chosen: set[str]) -> None:
 # --------------------------------------------------------------------------- running
 
 
+def check_run_dir(run_dir: Path, min_free_gb: float) -> None:
+    """Fail before any work when the run directory cannot be written or its disk is (nearly) full.
+
+    Creating it and writing a probe file catch permissions and read-only mounts; `statvfs` catches a
+    full disk, which would otherwise surface as a half-written checkpoint an hour into the run.
+    """
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"run_dir {run_dir}: not writable ({exc.strerror or exc}); fix its permissions or choose "
+                        "another directory (run_dir=...)") from None
+    free_gb = shutil.disk_usage(run_dir).free / 2**30
+    if free_gb < min_free_gb:
+        raise UserError(f"run_dir {run_dir}: only {free_gb:.2f} GiB free on its filesystem, less than min_free_gb "
+                        f"({min_free_gb:g} GiB); free some space, choose another run_dir, or lower min_free_gb")
+
+
 class RunLock:
     """An exclusive lock on the run directory: a second run on it refuses instead of racing.
 
@@ -254,7 +274,7 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            raise UserError(
+            raise LockError(
                 f"another pipeline run (pid {holder}) is using run_dir {self.path.parent}; wait for it to "
                 "finish, or give this run another run_dir (run_dir=...)"
             ) from None
@@ -302,13 +322,16 @@ class StageContext:
     def ray(self) -> None:
         from pipeline.cluster import ensure_ray
 
-        self.started_ray = ensure_ray(self.pipeline.ray) or self.started_ray
+        self.started_ray = ensure_ray(self.pipeline.ray, self.pipeline.run_dir, self.progress) or self.started_ray
         # Ray's core worker installs a C-level SIGTERM handler that aborts the process; put ours
         # back so `kill` still ends the stage cleanly (no manifest, MLflow run marked KILLED).
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
 
 
 def git_version() -> str:
+    """The code's git commit (`-dirty` with uncommitted changes); a submitted job carries its submitter's."""
+    if os.environ.get("PIPELINE_CODE_VERSION"):
+        return os.environ["PIPELINE_CODE_VERSION"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=artifacts.PROJECT_ROOT,
                              capture_output=True, text=True, timeout=5).stdout.strip()
@@ -349,13 +372,16 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
 
 
 def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
-                 registry: tuple[StageSpec, ...] | None = None) -> dict[str, Any]:
+                 registry: tuple[StageSpec, ...] | None = None, summary: dict | None = None) -> dict[str, Any]:
     """Plan and run under the run-dir lock (so no other run changes the cache between the two).
 
-    Returns {"plan": [...], "stages": {stage: manifest}, "started_ray": bool}.
+    Returns {"plan": [...], "stages": {stage: manifest}, "run_ids": {stage: MLflow run id},
+    "durations": {stage: seconds}, "parent_run_id": str, "started_ray": bool}. Pass `summary` to
+    have it filled as the run goes, so a caller still sees what finished when a stage fails.
     """
     from pipeline.tracking import Tracker
 
+    check_run_dir(cfg.run_dir, cfg.min_free_gb)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
@@ -364,16 +390,19 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         active = [p for p in plan if p.status != "skip"]
         by_name = {p.spec.name: p for p in plan}
         producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
-        summary: dict[str, Any] = {"plan": plan, "stages": {}, "run_ids": {}, "started_ray": False}
+        summary = summary if summary is not None else {}
+        summary.update({"plan": plan, "stages": {}, "run_ids": {}, "durations": {}, "started_ray": False})
         version = git_version()
         tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name=config_path.stem,
                           tags={"config": str(config_path), "code_version": version, "run_dir": str(cfg.run_dir)})
+        summary["parent_run_id"] = tracker.parent_id
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
         status, run_id, ctx = "FINISHED", None, None
         try:
             for i in range(1, len(active) + 1):
                 p = active[i - 1]
                 name, t0 = p.spec.name, time.time()
+                summary["running"] = name
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] {'[green]hit' if p.status == 'hit' else '[yellow]miss'}"
                               f"[/] - {p.reason}")
                 run_id = tracker.start_stage(
@@ -400,6 +429,8 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 tracker.end(run_id)
                 summary["stages"][name] = manifest
                 summary["run_ids"][name] = run_id
+                summary["durations"][name] = round(time.time() - t0, 3)
+                del summary["running"]
                 run_id = None
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] done in {time.time() - t0:.1f}s")
                 if p.status == "miss" and any(q.pending for q in active[i:]):

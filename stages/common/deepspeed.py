@@ -56,6 +56,9 @@ class TrainingConfig(Section):
     checkpoint_every: int = Field(100, ge=1, description="Report a checkpoint every N optimizer steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept by Ray Train (CheckpointConfig.num_to_keep).")
     max_failures: int = Field(1, ge=0, description="Worker failures Ray Train recovers from (restarting from the last checkpoint).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="How Ray places the workers on a cluster's nodes (Ray Train's ScalingConfig): 'PACK' "
+        "fills few nodes (fast collectives), 'SPREAD' / 'STRICT_SPREAD' put them on different nodes.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings.")
     use_tuned: bool = Field(False, description="Train with the best values of the tune stage's sweep over this stage "
                             "(needs stages.tune with this stage as target).")

@@ -46,7 +46,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
         loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend=backend(gpu)),
-        scaling_config=ScalingConfig(num_workers=tcfg.num_workers, use_gpu=gpu),
+        scaling_config=ScalingConfig(num_workers=tcfg.num_workers, use_gpu=gpu,
+                                     placement_strategy=tcfg.placement_strategy),
         datasets=datasets,
         # Same order every epoch and every attempt: resuming skips exactly the batches already seen.
         dataset_config=DataConfig(datasets_to_split="all", execution_options=ExecutionOptions(preserve_order=True)),

@@ -1,0 +1,186 @@
+"""Ray Jobs: submit a pipeline run to a Ray cluster, follow it, stop it (Ray's Job Submission SDK).
+
+    python -m pipeline submit configs/full.yaml --address http://HEAD:8265 --wait
+    python -m pipeline status JOB_ID        python -m pipeline logs JOB_ID --follow
+    python -m pipeline stop JOB_ID
+
+What travels is code and config, as the job's runtime environment: a staged copy of the project's
+code (`pipeline/`, `stages/`, `configs/`, `pyproject.toml`) plus the config, resolved on this machine
+(overrides applied, relative paths made absolute, so every node reads the same files). The
+cluster's Python must already have the dependencies (the same image or `make setup` on every
+node): installing torch and vLLM per job would take longer than most runs. The job's driver runs
+`python -m pipeline run` on the cluster and joins it through the RAY_ADDRESS Ray sets for it.
+
+`--wait` follows the job's log and exits with the job's outcome: the driver's own exit code
+(0 success, 1 a stage failed, 2 configuration error, 3 run dir locked), or 130 when it was stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline.errors import UserError
+
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+SHIPPED = ("pipeline", "stages", "configs", "pyproject.toml")  # what a job needs of the project
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def dashboard_address(address: str | None) -> str:
+    """--address, else RAY_API_SERVER_ADDRESS / an http RAY_ADDRESS (as `ray job submit` reads them), else local."""
+    if address:
+        return address
+    for var in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
+        value = os.environ.get(var, "")
+        if value.startswith(("http://", "https://")):
+            return value
+    return DEFAULT_ADDRESS
+
+
+def client(address: str | None):
+    from ray.job_submission import JobSubmissionClient
+
+    url = dashboard_address(address)
+    try:
+        return JobSubmissionClient(url)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise UserError(f"--address {url}: no Ray dashboard answers there ({str(exc).splitlines()[0]}); start the "
+                        "cluster (`ray start --head`) or pass the head's dashboard URL, e.g. "
+                        "--address http://HEAD:8265") from None
+
+
+def run_args(config_name: str, only=(), from_=None, to=None, force=()) -> list[str]:
+    """The `python -m pipeline run ...` command line the job's driver executes."""
+    args = ["python", "-m", "pipeline", "run", config_name]
+    for name in only:
+        args += ["--only", name]
+    if from_:
+        args += ["--from", from_]
+    if to:
+        args += ["--to", to]
+    for name in force:
+        args += ["--force", name]
+    return args
+
+
+def stage_package(cfg, config_name: str, dest: Path) -> Path:
+    """Copy the project's code and the resolved config into `dest` (the job's working_dir)."""
+    from pipeline.artifacts import PROJECT_ROOT
+
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in SHIPPED:
+        src = PROJECT_ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+    (dest / config_name).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    return dest
+
+
+def submit(cfg, config_path: Path, address: str | None, selection: dict, console) -> str:
+    """Submit the run as a Ray Job; return its submission id."""
+    from pipeline.runner import git_version
+
+    jobs = client(address)
+    name = f"{config_path.stem}.yaml"
+    job_id = f"pipeline-{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
+    with tempfile.TemporaryDirectory(prefix="pipeline-job-") as tmp:
+        package = stage_package(cfg, name, Path(tmp))
+        entrypoint = shlex.join(run_args(name, **selection))
+        jobs.submit_job(
+            entrypoint=entrypoint,
+            submission_id=job_id,
+            runtime_env={"working_dir": str(package), "env_vars": {"PIPELINE_CODE_VERSION": git_version()}},
+            metadata={"config": str(config_path), "run_dir": str(cfg.run_dir), "code_version": git_version()},
+        )
+    console.print(f"submitted [bold]{job_id}[/] to {dashboard_address(address)}: {entrypoint}")
+    return job_id
+
+
+def job_exit_code(status: str, driver_exit_code: int | None) -> int:
+    """A finished job's outcome as the exit code `run` would have given (130: stopped)."""
+    if status == "STOPPED":
+        return 130
+    if status == "SUCCEEDED":
+        return 0
+    return driver_exit_code if driver_exit_code not in (None, 0) else 1
+
+
+def follow(address: str | None, job_id: str, out=sys.stdout, poll_s: float = 2.0) -> str:
+    """Print the job's log as it grows until the job ends; return its final status."""
+    jobs = client(address)
+    shown = 0
+    while True:
+        status = str(jobs.get_job_status(job_id).value)
+        logs = jobs.get_job_logs(job_id)
+        if len(logs) > shown:
+            out.write(logs[shown:])
+            out.flush()
+            shown = len(logs)
+        if status in TERMINAL:
+            return status
+        time.sleep(poll_s)
+
+
+def wait(address: str | None, job_id: str, console) -> int:
+    try:
+        status = follow(address, job_id)
+    except KeyboardInterrupt:
+        console.print(f"stopped following; the job keeps running (`python -m pipeline stop {job_id}` ends it)")
+        return 130
+    info = client(address).get_job_info(job_id)
+    code = job_exit_code(status, info.driver_exit_code)
+    console.print(f"job {job_id}: {status} (exit code {code})")
+    return code
+
+
+def status(address: str | None, job_id: str, console) -> int:
+    info = _info(address, job_id)
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.start_time / 1000)) if info.start_time else "-"
+    took = f"{(info.end_time - info.start_time) / 1000:.1f}s" if info.end_time and info.start_time else "-"
+    console.print(f"{job_id}: {info.status.value}" + (f" - {info.message}" if info.message else ""))
+    console.print(f"  started {started}, duration {took}, driver exit code "
+                  f"{info.driver_exit_code if info.driver_exit_code is not None else '-'}")
+    console.print(f"  entrypoint: {info.entrypoint}")
+    return 0
+
+
+def logs(address: str | None, job_id: str, follow_: bool) -> int:
+    _info(address, job_id)
+    if follow_:
+        follow(address, job_id)
+    else:
+        sys.stdout.write(client(address).get_job_logs(job_id))
+    return 0
+
+
+def stop(address: str | None, job_id: str, console, timeout_s: float = 60) -> int:
+    info = _info(address, job_id)
+    if info.status.value in TERMINAL:
+        console.print(f"{job_id} already ended: {info.status.value}")
+        return 0
+    jobs = client(address)
+    jobs.stop_job(job_id)  # SIGTERM to the driver: the running stage is marked KILLED and leaves no artifact
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and str(jobs.get_job_status(job_id).value) not in TERMINAL:
+        time.sleep(1)
+    console.print(f"{job_id}: {jobs.get_job_status(job_id).value}")
+    return 0
+
+
+def _info(address: str | None, job_id: str):
+    try:
+        return client(address).get_job_info(job_id)
+    except RuntimeError as exc:
+        if "404" in str(exc) or "does not exist" in str(exc):
+            raise UserError(f"no job {job_id!r} on {dashboard_address(address)}; list jobs with `ray job list`") from None
+        raise

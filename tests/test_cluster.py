@@ -1,0 +1,117 @@
+"""The pipeline on a real two-node Ray cluster (`ray start --head` + `ray start --address`):
+a submitted Ray Job whose SFT workers land on both nodes and survive the loss of one worker, a
+driver killed mid-stage whose rerun resumes, and job control (status, logs, stop, exit codes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SMOKE, run_cli
+from helpers.cluster import TwoNodeCluster, end_tree, wait_for
+
+pytestmark = pytest.mark.slow
+
+# Short SFT with frequent checkpoints, workers on different nodes.
+SFT = ["--to", "sft", "stages.sft.placement_strategy=STRICT_SPREAD", "stages.sft.checkpoint_every=3"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with TwoNodeCluster() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cluster") / "run"
+
+
+def _cli(cluster, *args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=cluster.env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _checkpoints(run_dir, stage="sft"):
+    return list((run_dir / "checkpoints" / stage).glob("*/train/checkpoint_*"))
+
+
+def _resumed_at(log: str) -> list[int]:
+    return [int(s) for s in re.findall(r"resuming at step (\d+)", log)]
+
+
+def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(cluster, run_dir):
+    nodes = cluster.nodes()
+    assert len(nodes) == 2 and sum(n["head"] for n in nodes) == 1
+
+    submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={run_dir}", *SFT)
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    job_id = submitted.stdout.strip().splitlines()[-1]
+    assert job_id.startswith("pipeline-smoke-")
+
+    # Once SFT has written its first checkpoint, kill one of its workers (a process of our cluster).
+    wait_for(lambda: _checkpoints(run_dir), 600, "the first SFT checkpoint")
+    workers = wait_for(lambda: cluster.actors("RayTrainWorker", "ALIVE"), 60, "live SFT workers")
+    os.kill(workers[0]["pid"], signal.SIGKILL)
+
+    follow = _cli(cluster, "logs", job_id, "--address", cluster.dashboard, "--follow")
+    assert follow.returncode == 0
+    status = _cli(cluster, "status", job_id, "--address", cluster.dashboard)
+    assert f"{job_id}: SUCCEEDED" in status.stdout, follow.stdout[-4000:]
+    assert "[3/3] sft done" in follow.stdout
+    assert "run_dir is readable and writable from all 2 nodes" in follow.stdout
+    assert any(step >= 3 for step in _resumed_at(follow.stdout)), follow.stdout[-4000:]  # restarted from a checkpoint
+    ran_on = {a["node"] for a in cluster.actors("RayTrainWorker")}
+    assert ran_on == {n["id"] for n in nodes}  # training workers ran on both nodes
+    assert len(list((run_dir / "artifacts" / "sft").glob("*/manifest.json"))) == 1
+    print(f"nodes {sorted(n['id'][:12] for n in nodes)}; SFT workers ran on {sorted(n[:12] for n in ran_on)}")
+
+
+def test_a_killed_driver_resumes_on_rerun_with_finished_stages_cached(cluster, run_dir):
+    args = ["run", str(SMOKE), f"run_dir={run_dir}", *SFT, "stages.sft.lr=0.002"]  # a new SFT key, same upstream
+    env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}  # this machine's driver joins the cluster
+    before = set(_checkpoints(run_dir))
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: set(_checkpoints(run_dir)) - before or proc.poll() is not None, 600, "a new SFT checkpoint")
+        assert proc.poll() is None, "the run ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)  # the driver dies without any chance to clean up
+        proc.wait(timeout=30)
+    finally:
+        end_tree(proc.pid)
+    for manifest in run_dir.glob("artifacts/*/*/manifest.json"):
+        json.loads(manifest.read_text())  # every finished artifact is intact
+
+    rerun = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "model hit" in rerun.stdout and "data hit" in rerun.stdout
+    assert "sft miss - last attempt did not finish" in rerun.stdout
+    assert any(step >= 3 for step in _resumed_at(rerun.stdout + rerun.stderr))
+    assert len(list((run_dir / "artifacts" / "sft").glob("*/manifest.json"))) == 2
+
+
+def test_job_control_stop_and_exit_codes(cluster, tmp_path):
+    # A job that fails on the cluster: --wait exits with the driver's own code (2, a user error).
+    failing = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, "--wait",
+                   f"run_dir={tmp_path / 'empty'}", "--only", "sft")
+    assert failing.returncode == 2, failing.stderr[-2000:]
+    assert "needs the output of stage" in failing.stdout
+
+    # A running job stopped from the CLI ends STOPPED, and --wait on such a job would exit 130.
+    submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={tmp_path / 'run'}",
+                     "--to", "data")
+    job_id = submitted.stdout.strip().splitlines()[-1]
+    wait_for(lambda: "RUNNING" in _cli(cluster, "status", job_id, "--address", cluster.dashboard).stdout, 120,
+             "the job to run")
+    stopped = _cli(cluster, "stop", job_id, "--address", cluster.dashboard)
+    assert stopped.returncode == 0 and f"{job_id}: STOPPED" in stopped.stdout
+    unknown = _cli(cluster, "status", "pipeline-no-such-job", "--address", cluster.dashboard)
+    assert unknown.returncode == 2 and "no job 'pipeline-no-such-job'" in unknown.stderr

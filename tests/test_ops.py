@@ -1,0 +1,223 @@
+"""Operations: exit codes, `run --json`, run-dir preflight, the cron wrapper, job helpers, deploy files."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, SMOKE, run_cli
+
+CRON = ROOT / "deploy" / "cron" / "pipeline-cron.sh"
+
+
+def _json(result: subprocess.CompletedProcess) -> dict:
+    return json.loads(result.stdout)  # stdout holds only the summary: progress and logs go to stderr
+
+
+# --------------------------------------------------------------------------- exit codes and preflight
+
+
+def test_config_error_exits_2_with_a_json_summary(tmp_path):
+    result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "stages.sft.lr=-1", "--json")
+    assert result.returncode == 2
+    summary = _json(result)
+    assert summary["status"] == "config_error" and summary["exit_code"] == 2
+    assert "stages.sft.lr" in summary["error"] and summary["stages"] == []
+    assert not (tmp_path / "run").exists()
+
+
+def test_unwritable_run_dir_fails_before_any_work(tmp_path):
+    result = run_cli("run", str(SMOKE), "run_dir=/sys/pipeline-test-run")  # read-only even for root
+    assert result.returncode == 2
+    assert "run_dir /sys/pipeline-test-run: not writable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_full_disk_fails_before_any_work(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "min_free_gb=1000000", "--json")
+    assert result.returncode == 2
+    assert "GiB free on its filesystem, less than min_free_gb (1e+06 GiB)" in result.stderr
+    assert _json(result)["status"] == "config_error"
+    assert not (run_dir / "artifacts").exists() and not (run_dir / "mlflow.db").exists()
+
+
+def test_a_run_dir_held_by_another_run_exits_3(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock.write("4242\n")
+        lock.flush()
+        result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--json")
+    assert result.returncode == 3, result.stderr
+    summary = _json(result)
+    assert summary["status"] == "locked" and "another pipeline run (pid 4242)" in summary["error"]
+    assert not (run_dir / "artifacts").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_stage_exits_1_and_names_it(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--only", "model").returncode == 0
+    tokenizer = next((run_dir / "artifacts" / "model").glob("*/model/tokenizer.json"))
+    tokenizer.write_text("{ not json")  # an upstream artifact damaged after it was made
+    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--to", "data", "--json")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "stage 'data' failed" in result.stderr and "Traceback" in result.stderr
+    summary = _json(result)
+    assert summary["status"] == "failed"
+    stages = {s["name"]: s for s in summary["stages"]}
+    assert stages["model"]["status"] == "hit" and Path(stages["model"]["artifact"]).is_dir()
+    assert stages["data"]["status"] == "failed" and stages["data"]["artifact"] is None
+    assert not list((run_dir / "artifacts" / "data").glob("*/manifest.json"))
+
+
+# --------------------------------------------------------------------------- cron
+
+
+def _cron(run_dir: Path, logs: Path, *args: str) -> subprocess.CompletedProcess:
+    """Call the wrapper the way cron does: a bare environment, started in $HOME, not the project."""
+    env = {"HOME": str(logs.parent), "PATH": "/usr/bin:/bin", "SHELL": "/bin/sh", "LOGNAME": "cron",
+           "PIPELINE_LOG_DIR": str(logs)}
+    command = shlex.join([str(CRON), str(SMOKE), f"run_dir={run_dir}", *args])
+    return subprocess.run(["/bin/sh", "-c", command], cwd=logs.parent, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
+def _stage_status(logs: Path) -> dict[str, str]:
+    summary = json.loads((logs / "latest.json").read_text())
+    return {s["name"]: s["status"] for s in summary["stages"] if s["status"] != "skip"}
+
+
+@pytest.mark.slow
+def test_cron_wrapper_runs_idempotently_and_reruns_only_what_new_data_changes(tmp_path):
+    raw = tmp_path / "extra_sft.jsonl"
+    row = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
+    raw.write_text(json.dumps(row) + "\n")
+    run_dir, logs = tmp_path / "run", tmp_path / "logs"
+    args = ("--to", "data", f"stages.data.sources.sft=[{raw}]")
+
+    first = _cron(run_dir, logs, *args)
+    assert first.returncode == 0, (logs / "latest.log").read_text()[-3000:]
+    assert _stage_status(logs) == {"model": "miss", "data": "miss"}
+
+    again = _cron(run_dir, logs, *args)  # the next tick, nothing changed: no work, Ray not started
+    assert again.returncode == 0
+    assert _stage_status(logs) == {"model": "hit", "data": "hit"}
+    assert "Ray not started" in (logs / "latest.log").read_text()
+
+    raw.write_text(raw.read_text() + json.dumps({**row, "messages": [row["messages"][0] | {"content": "2+2="},
+                                                                  {"role": "assistant", "content": "4"}]}) + "\n")
+    changed = _cron(run_dir, logs, *args)  # new raw data: the data stage reruns, the model does not
+    assert changed.returncode == 0
+    assert _stage_status(logs) == {"model": "hit", "data": "miss"}
+    assert "raw inputs changed" in json.loads((logs / "latest.json").read_text())["stages"][1]["reason"]
+
+    with open(run_dir / ".lock", "w") as lock:  # a tick while a long run still holds the run dir
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        busy = _cron(run_dir, logs, *args)
+    assert busy.returncode == 3
+    history = (logs / "history.log").read_text().splitlines()
+    assert len(history) == 4 and "skipped: another run still holds the run directory" in history[-1]
+    assert "succeeded (exit 0" in history[0]
+
+
+def test_cron_wrapper_without_a_config_explains_its_usage(tmp_path):
+    result = subprocess.run(["/bin/sh", "-c", str(CRON)], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                            text=True)
+    assert result.returncode == 2 and "usage:" in result.stderr
+
+
+# --------------------------------------------------------------------------- job and cluster helpers
+
+
+def test_job_exit_codes_follow_the_run_command():
+    from pipeline.jobs import job_exit_code
+
+    assert job_exit_code("SUCCEEDED", 0) == 0
+    assert job_exit_code("FAILED", 2) == 2  # the driver's own code: a configuration error on the cluster
+    assert job_exit_code("FAILED", 3) == 3
+    assert job_exit_code("FAILED", None) == 1  # e.g. the driver was lost with its node
+    assert job_exit_code("STOPPED", None) == 130
+
+
+def test_dashboard_address_precedence(monkeypatch):
+    from pipeline.jobs import DEFAULT_ADDRESS, dashboard_address
+
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a GCS address is not a dashboard URL
+    assert dashboard_address(None) == DEFAULT_ADDRESS
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265")
+    assert dashboard_address(None) == "http://head:8265"
+    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", "http://api:8265")
+    assert dashboard_address(None) == "http://api:8265"
+    assert dashboard_address("http://given:8265") == "http://given:8265"
+
+
+def test_job_package_carries_code_and_the_resolved_config(tmp_path):
+    from conftest import smoke_config
+    from pipeline.config import load_config
+    from pipeline.jobs import run_args, stage_package
+
+    cfg = smoke_config(tmp_path / "run", "stages.sft.lr=0.002")
+    package = stage_package(cfg, "smoke.yaml", tmp_path / "pkg")
+    assert (package / "pipeline" / "runner.py").is_file() and (package / "stages" / "sft.py").is_file()
+    assert not list(package.rglob("__pycache__"))
+    shipped = load_config(package / "smoke.yaml")
+    assert shipped.stages.sft.lr == 0.002 and shipped.run_dir == tmp_path / "run"  # absolute: same on every node
+    assert run_args("smoke.yaml", only=["sft"], force=["sft"]) == [
+        "python", "-m", "pipeline", "run", "smoke.yaml", "--only", "sft", "--force", "sft"]
+
+
+def test_status_of_an_unreachable_cluster_is_a_clear_error():
+    result = run_cli("status", "pipeline-x", "--address", "http://127.0.0.1:9")
+    assert result.returncode == 2
+    assert "no Ray dashboard answers there" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_storage_problems_name_the_node_that_cannot_use_the_run_dir():
+    from pipeline.cluster import storage_problems
+
+    ok = {"node_id": "a" * 56, "host": "head", "ip": "10.0.0.1", "reads": True, "writes": True, "error": ""}
+    local = {"node_id": "b" * 56, "host": "worker-1", "ip": "10.0.0.2", "reads": False, "writes": True, "error": ""}
+    readonly = {"node_id": "c" * 56, "host": "worker-2", "ip": "10.0.0.3", "reads": True, "writes": False,
+                "error": "OSError: Read-only file system"}
+    assert storage_problems("/data/run", [ok]) == []
+    problems = storage_problems("/data/run", [ok, local, readonly])
+    assert len(problems) == 2
+    assert "bbbbbbbbbbbb (worker-1, 10.0.0.2) does not see /data/run" in problems[0]
+    assert "cccccccccccc (worker-2, 10.0.0.3) cannot write to /data/run (OSError: Read-only" in problems[1]
+
+
+# --------------------------------------------------------------------------- deploy files
+
+
+def test_deploy_manifests_run_commands_the_cli_accepts():
+    from pipeline.__main__ import _parser
+
+    rayjob, pvc = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "rayjob.yaml").read_text())
+    assert rayjob["kind"] == "RayJob" and pvc["kind"] == "PersistentVolumeClaim"
+    argv = shlex.split(rayjob["spec"]["entrypoint"])
+    assert argv[:3] == ["python", "-m", "pipeline"]
+    args, extra = _parser().parse_known_args(argv[3:])
+    assert args.command == "run" and args.json and Path(args.config).name == "full.yaml"
+    cron = yaml.safe_load((ROOT / "deploy" / "k8s" / "cronjob.yaml").read_text())
+    assert cron["kind"] == "CronJob" and cron["spec"]["concurrencyPolicy"] == "Forbid"
+    container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    args, _ = _parser().parse_known_args(container["command"][3:])
+    assert args.command == "submit" and args.wait and args.address.startswith("http://")
+
+
+def test_dockerfile_is_pinned_non_root_and_runs_the_cli():
+    text = (ROOT / "Dockerfile").read_text()
+    base = next(line.split()[1] for line in text.splitlines() if line.startswith("FROM "))
+    assert ":" in base and not base.endswith(":latest") and base.count(".") >= 2  # an exact release
+    assert "ARG EXTRA=gpu" in text and "USER app" in text and "useradd" in text
+    assert 'ENTRYPOINT ["python", "-m", "pipeline"]' in text
