@@ -158,11 +158,11 @@ class RewardScorer:
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from stages.common.models import load_tokenizer
+        from stages.common.models import SAFE_LOAD, load_tokenizer
 
         torch.set_num_threads(1)
         self.tok = load_tokenizer(reward_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, **SAFE_LOAD).eval()
         self.prompt_field = prompt_field
 
     def __call__(self, batch):

@@ -26,7 +26,7 @@ def run(cfg, ctx) -> dict[str, Path]:
     if not cfg.is_builtin:
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(cfg.source, local_files_only=True)
+        AutoConfig.from_pretrained(cfg.source, local_files_only=True, trust_remote_code=False)
         tok = models.load_tokenizer(cfg.source)
         ctx.log_metrics({"vocab_size": len(tok)})
         return {"base_model": Path(cfg.source)}
@@ -37,7 +37,7 @@ def run(cfg, ctx) -> dict[str, Path]:
     tok = models.load_tokenizer(out)
     from transformers import AutoModelForCausalLM
 
-    n_params = models.count_parameters(AutoModelForCausalLM.from_pretrained(out))
+    n_params = models.count_parameters(AutoModelForCausalLM.from_pretrained(out, **models.SAFE_LOAD))
     ctx.progress(f"built a {n_params / 1e6:.2f}M-parameter LLaMA with a {len(tok)}-token vocabulary")
     ctx.log_metrics({"num_parameters": n_params, "vocab_size": len(tok)})
     return {"base_model": out}

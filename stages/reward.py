@@ -85,13 +85,14 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from stages.common import training
+    from stages.common import models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
-    model = AutoModelForSequenceClassification.from_pretrained(c["init"], num_labels=1, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(c["init"], num_labels=1, dtype=torch.float32,
+                                                               **models.SAFE_LOAD)
     model.config.pad_token_id = c["pad_id"]  # the classifier reads the last non-pad token
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()

@@ -19,7 +19,6 @@ import hmac
 import json
 import os
 import socket
-import statistics
 import time
 from pathlib import Path
 from typing import Literal

@@ -78,13 +78,13 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.common import training
+    from stages.common import models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = SFTConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
-    model = AutoModelForCausalLM.from_pretrained(c["base"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(c["base"], dtype=torch.float32, **models.SAFE_LOAD)
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "sft")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,16 +41,25 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
 
     # Everything cached: no stage runs and Ray is never contacted (an unreachable RAY_ADDRESS
     # would fail the run if anything tried).
-    second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", *LEAN, env={"RAY_ADDRESS": "127.0.0.1:1"})
+    second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", *LEAN, "--json", env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert second.returncode == 0, second.stderr[-3000:]
-    assert all(f"{s} hit" in second.stdout for s in ("model", "data", "sft", "reward", "ppo", "serve"))
-    assert "0 stages run, 6 cached; Ray not started" in second.stdout
+    assert all(f"{s} hit" in second.stderr for s in ("model", "data", "sft", "reward", "ppo", "serve"))
+    assert "0 stages run, 6 cached; Ray not started" in second.stderr  # with --json, progress goes to stderr
+    summary = json.loads(second.stdout)
+    assert summary["status"] == "succeeded" and summary["exit_code"] == 0
+    stages = {s["name"]: s for s in summary["stages"]}
+    assert list(stages) == ["model", "data", "sft", "reward", "ppo", "serve"]
+    assert all(s["status"] == "hit" and s["duration_s"] is not None for s in stages.values())
+    assert (Path(stages["sft"]["artifact"]) / "manifest.json").is_file()
+    assert Path(stages["sft"]["outputs"]["sft_model"]).is_dir()
 
     # Lineage: two parent runs, each with a nested run per stage carrying config, tags and metrics.
     client, runs = _runs(run_dir)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 2 and all(r.info.status == "FINISHED" for r in runs)
     children = {(r.data.tags["mlflow.parentRunId"], r.info.run_name): r for r in runs if r not in parents}
+    assert summary["mlflow_parent_run_id"] == parents[1].info.run_id
+    assert stages["data"]["mlflow_run_id"] == children[(parents[1].info.run_id, "data")].info.run_id
     data_miss = children[(parents[0].info.run_id, "data")]
     data_hit = children[(parents[1].info.run_id, "data")]
     assert (data_miss.data.tags["cache"], data_hit.data.tags["cache"]) == ("miss", "hit")

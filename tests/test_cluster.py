@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SMOKE, run_cli
+from conftest import ROOT, SMOKE
 from helpers.cluster import TwoNodeCluster, end_tree, wait_for
 
 pytestmark = pytest.mark.slow
@@ -38,8 +38,17 @@ def _cli(cluster, *args, timeout=900):
                           text=True, timeout=timeout)
 
 
-def _checkpoints(run_dir, stage="sft"):
-    return list((run_dir / "checkpoints" / stage).glob("*/train/checkpoint_*"))
+def _registered(run_dir, skip=()) -> list:
+    """SFT runs (by cache key) with a checkpoint Ray Train has registered (in its snapshot), not just written."""
+    found = []
+    for snapshot in (run_dir / "checkpoints" / "sft").glob("*/train/checkpoint_manager_snapshot.json"):
+        key = snapshot.parent.parent.name
+        try:
+            if key not in skip and json.loads(snapshot.read_text()).get("checkpoint_results"):
+                found.append(key)
+        except ValueError:  # being written
+            pass
+    return found
 
 
 def _resumed_at(log: str) -> list[int]:
@@ -56,7 +65,7 @@ def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(
     assert job_id.startswith("pipeline-smoke-")
 
     # Once SFT has written its first checkpoint, kill one of its workers (a process of our cluster).
-    wait_for(lambda: _checkpoints(run_dir), 600, "the first SFT checkpoint")
+    wait_for(lambda: _registered(run_dir), 600, "the first registered SFT checkpoint")
     workers = wait_for(lambda: cluster.actors("RayTrainWorker", "ALIVE"), 60, "live SFT workers")
     os.kill(workers[0]["pid"], signal.SIGKILL)
 
@@ -76,11 +85,11 @@ def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(
 def test_a_killed_driver_resumes_on_rerun_with_finished_stages_cached(cluster, run_dir):
     args = ["run", str(SMOKE), f"run_dir={run_dir}", *SFT, "stages.sft.lr=0.002"]  # a new SFT key, same upstream
     env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}  # this machine's driver joins the cluster
-    before = set(_checkpoints(run_dir))
+    before = {p.name for p in (run_dir / "checkpoints" / "sft").iterdir()}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for(lambda: set(_checkpoints(run_dir)) - before or proc.poll() is not None, 600, "a new SFT checkpoint")
+        wait_for(lambda: _registered(run_dir, before) or proc.poll() is not None, 600, "a registered SFT checkpoint")
         assert proc.poll() is None, "the run ended before it could be killed"
         os.kill(proc.pid, signal.SIGKILL)  # the driver dies without any chance to clean up
         proc.wait(timeout=30)
@@ -94,7 +103,7 @@ def test_a_killed_driver_resumes_on_rerun_with_finished_stages_cached(cluster, r
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "model hit" in rerun.stdout and "data hit" in rerun.stdout
     assert "sft miss - last attempt did not finish" in rerun.stdout
-    assert any(step >= 3 for step in _resumed_at(rerun.stdout + rerun.stderr))
+    assert any(step >= 3 for step in _resumed_at(rerun.stdout + rerun.stderr)), rerun.stdout[-4000:]
     assert len(list((run_dir / "artifacts" / "sft").glob("*/manifest.json"))) == 2
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import shlex
 import subprocess
 from pathlib import Path

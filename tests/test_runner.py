@@ -168,7 +168,7 @@ def test_metrics_of_a_cached_stage_are_kept_in_its_manifest(toy):
 def test_second_run_on_a_busy_run_dir_refuses(tmp_path):
     with RunLock(tmp_path / "run"):
         result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}")
-    assert result.returncode == 2
+    assert result.returncode == 3  # "locked": try again later
     assert "another pipeline run" in result.stderr and str(tmp_path / "run") in result.stderr
     assert not (tmp_path / "run" / "artifacts").exists()
 

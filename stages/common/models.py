@@ -23,6 +23,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PAD, BOS_TURN, EOS_TURN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# How every stage loads a model: safetensors only (pickle weights can run code when loaded), and
+# never code shipped inside a checkpoint. vLLM engines have their own `engine.trust_remote_code`.
+SAFE_LOAD = {"use_safetensors": True, "trust_remote_code": False}
 
 
 class BuiltinModelConfig(Section):
@@ -68,11 +71,36 @@ class ModelConfig(Section):
             raise ValueError(f"{path} has no config.json; point it at a directory written by save_pretrained")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
             raise ValueError(f"{path} has no tokenizer files; save the tokenizer into the checkpoint directory too")
+        problem = checkpoint_safety_problem(path)
+        if problem:
+            raise ValueError(problem)
         return str(path)
 
     @property
     def is_builtin(self) -> bool:
         return self.source == "builtin"
+
+
+def checkpoint_safety_problem(path: Path) -> str | None:
+    """Why a user checkpoint cannot be loaded safely (None if it can): weights must be safetensors,
+    and the architecture must be one transformers ships (no `auto_map` code in the checkpoint)."""
+    import json
+
+    if not list(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        found = f"only pickle weights ({', '.join(pickled[:3])})" if pickled else "no *.safetensors weights"
+        return (f"{path} has {found}; weights are loaded from safetensors only, since pickle files can run code "
+                "when loaded. Convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+                "safe_serialization=True)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path}/config.json is not valid JSON ({exc})"
+    if config.get("auto_map"):
+        return (f"{path} needs its own model code (auto_map in config.json: {sorted(config['auto_map'])}); the "
+                "pipeline never runs code shipped in a checkpoint. Use a checkpoint of an architecture transformers "
+                "includes (Llama, Qwen2, Mistral, ...)")
+    return None
 
 
 def build_tokenizer(texts: list[str], vocab_size: int):
@@ -142,7 +170,7 @@ def load_tokenizer(path: str | Path):
     """Load a tokenizer with a chat template from a local directory (never from a hub)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if tok.chat_template is None:
         # A base (non-chat) checkpoint: ChatML as plain text, the usual choice for tuning one.
         tok.chat_template = CHAT_TEMPLATE
@@ -162,7 +190,7 @@ def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **SAFE_LOAD).eval()
     texts = []
     for i in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[i : i + batch_size]

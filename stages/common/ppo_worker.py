@@ -57,16 +57,16 @@ class PPOWorker(Workhorse):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        from stages.common.models import count_parameters, load_tokenizer
+        from stages.common.models import SAFE_LOAD, count_parameters, load_tokenizer
 
         torch.manual_seed(spec["seed"] + self.rank)
         self.spec, self.kind = spec, spec["kind"]
         self.generator = torch.Generator().manual_seed(spec["seed"] * 1000 + self.rank)
         if self.kind == "causal":
-            model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **SAFE_LOAD)
         else:
             model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1,
-                                                                       dtype=torch.float32)
+                                                                       dtype=torch.float32, **SAFE_LOAD)
             model.config.pad_token_id = spec["pad_id"]
         if spec.get("activation_checkpointing"):
             model.gradient_checkpointing_enable()
