@@ -220,3 +220,35 @@ def test_dockerfile_is_pinned_non_root_and_runs_the_cli():
     assert ":" in base and not base.endswith(":latest") and base.count(".") >= 2  # an exact release
     assert "ARG EXTRA=gpu" in text and "USER app" in text and "useradd" in text
     assert 'ENTRYPOINT ["python", "-m", "pipeline"]' in text
+
+
+# --------------------------------------------------------------------------- security defaults
+
+
+def _checkpoint(path: Path, weights: str, config: dict) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    (path / "tokenizer.json").write_text("{}")
+    (path / weights).write_bytes(b"\0")
+    return path
+
+
+def test_checkpoints_load_from_safetensors_only_and_never_run_their_code(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    pickled = _checkpoint(tmp_path / "pickled", "pytorch_model.bin", {})
+    with pytest.raises(ConfigError, match=r"only pickle weights \(pytorch_model.bin\).*safe_serialization=True"):
+        load_config(SMOKE, [f"model.source={pickled}"])
+    custom = _checkpoint(tmp_path / "custom", "model.safetensors", {"auto_map": {"AutoModel": "modeling_x.XModel"}})
+    with pytest.raises(ConfigError, match=r"needs its own model code \(auto_map"):
+        load_config(SMOKE, [f"model.source={custom}"])
+    fine = _checkpoint(tmp_path / "fine", "model.safetensors", {})
+    assert load_config(SMOKE, [f"model.source={fine}"]).model.source == str(fine)
+
+    from stages.common.models import SAFE_LOAD
+    from stages.common.serving import EngineConfig
+
+    assert SAFE_LOAD == {"use_safetensors": True, "trust_remote_code": False}
+    assert EngineConfig().trust_remote_code is False
+
