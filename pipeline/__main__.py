@@ -39,7 +39,11 @@ def _names(text: str) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline", description="Declarative LLM post-training pipeline on Ray.")
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline", description="Declarative LLM post-training pipeline on Ray.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit codes: 0 success, 1 a stage failed, 2 configuration or usage error, 3 another run holds the "
+        "run directory's lock, 130 interrupted")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(name: str, help_: str, optional: bool = False) -> argparse.ArgumentParser:

@@ -361,12 +361,12 @@ def _check_not_empty(kind: str, m: dict[str, int], had_input: bool) -> None:
     """A kind that had input must yield both splits: an empty split is not a usable artifact."""
     if not had_input:
         return
-    for split, fix in (("train", "stages.data.on_bad_rows / stages.data.max_len, or the data itself"),
+    for split, fix in (("train", "check stages.data.on_bad_rows / stages.data.max_len, or the data itself"),
                        ("eval", "raise stages.data.eval_fraction or bring more rows")):
         if m[f"{kind}_{split}_rows"] == 0:
             raise DataError(
                 f"no {kind} rows left in the {split} split ({m[f'{kind}_rows_bad']} invalid, "
-                f"{m[f'{kind}_rows_duplicate']} duplicate, {m[f'{kind}_rows_too_long']} too long); check {fix}"
+                f"{m[f'{kind}_rows_duplicate']} duplicate, {m[f'{kind}_rows_too_long']} too long); {fix}"
             )
 
 

@@ -97,9 +97,13 @@ def _stage_status(logs: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_cron_wrapper_runs_idempotently_and_reruns_only_what_new_data_changes(tmp_path):
-    raw = tmp_path / "extra_sft.jsonl"
-    row = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
-    raw.write_text(json.dumps(row) + "\n")
+    def rows(a_values) -> str:  # sft chat rows "a+1=" -> "a+1"
+        return "".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+1="},
+                                                {"role": "assistant", "content": str(a + 1)}]}) + "\n"
+                       for a in a_values)
+
+    raw = tmp_path / "sft.jsonl"  # enough rows for both splits at smoke's eval_fraction 0.2
+    raw.write_text(rows(range(40)))
     run_dir, logs = tmp_path / "run", tmp_path / "logs"
     args = ("--to", "data", f"stages.data.sources.sft=[{raw}]")
 
@@ -112,8 +116,7 @@ def test_cron_wrapper_runs_idempotently_and_reruns_only_what_new_data_changes(tm
     assert _stage_status(logs) == {"model": "hit", "data": "hit"}
     assert "Ray not started" in (logs / "latest.log").read_text()
 
-    raw.write_text(raw.read_text() + json.dumps({**row, "messages": [row["messages"][0] | {"content": "2+2="},
-                                                                  {"role": "assistant", "content": "4"}]}) + "\n")
+    raw.write_text(raw.read_text() + rows(range(40, 45)))
     changed = _cron(run_dir, logs, *args)  # new raw data: the data stage reruns, the model does not
     assert changed.returncode == 0
     assert _stage_status(logs) == {"model": "hit", "data": "miss"}
