@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
@@ -69,6 +69,14 @@ class SmokeConfig(Section):
     prompt: str = Field("What is 2 + 3?", min_length=1, description="The user message of every request.")
 
 
+class LimitsConfig(Section):
+    """Sampling limits per request, checked before a request reaches an engine (400 above them)."""
+
+    max_tokens: int | None = Field(None, ge=1, description="Largest max_tokens / max_completion_tokens a request may "
+                                   "ask for. Empty: only the context length (engine.max_model_len) limits it.")
+    max_n: int = Field(8, ge=1, description="Largest `n` (completions per request) a request may ask for.")
+
+
 class ServeConfig(Section):
     """The serve stage: registry, engine, endpoint."""
 
@@ -80,8 +88,16 @@ class ServeConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
     replicas: int = Field(1, ge=1, description="Engine replicas behind the API (each reserves 2 logical CPUs on CPU).")
     http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP endpoint.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Sampling limits per request.")
     smoke: SmokeConfig = Field(default_factory=SmokeConfig, description="Load sent after deploying.")
     block: bool = Field(False, description="Keep serving after the smoke load until Ctrl-C (the stage then always runs).")
+
+    @model_validator(mode="after")
+    def _smoke_within_limits(self):
+        if self.limits.max_tokens is not None and self.smoke.max_tokens > self.limits.max_tokens:
+            raise ValueError(f"smoke.max_tokens ({self.smoke.max_tokens}) exceeds limits.max_tokens "
+                             f"({self.limits.max_tokens}); lower one or raise the other")
+        return self
 
     def served_name(self) -> str:
         return self.model_id or self.registry.model_name
@@ -109,13 +125,24 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def body_problem(body: bytes) -> str | None:
-    """Why a POST body is not a JSON object (None if it is)."""
+def body_problem(body: bytes, max_tokens: int | None = None, max_n: int | None = None) -> str | None:
+    """Why a POST body is not a JSON object within the sampling limits (None if it is).
+
+    Values of the wrong type or sign are left to the ingress, which answers them with a 400 of its own."""
     try:
         data = json.loads(body or b"")
     except (ValueError, UnicodeDecodeError) as exc:
         return f"request body is not valid JSON ({exc})"
-    return None if isinstance(data, dict) else "request body must be a JSON object"
+    if not isinstance(data, dict):
+        return "request body must be a JSON object"
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = data.get(field)
+        if max_tokens is not None and isinstance(value, int) and value > max_tokens:
+            return f"{field} {value} exceeds this server's limit of {max_tokens} tokens per completion"
+    n = data.get("n")
+    if max_n is not None and isinstance(n, int) and n > max_n:
+        return f"n {n} exceeds this server's limit of {max_n} completions per request"
+    return None
 
 
 def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
@@ -127,15 +154,17 @@ def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
 
 
 class RequestGuard:
-    """ASGI middleware in front of the OpenAI ingress: the API key, and bodies that are not JSON.
+    """ASGI middleware in front of the OpenAI ingress: the API key, bodies that are not JSON, sampling limits.
 
-    Ray Serve LLM has no API-key option, and answers a non-JSON body sent without a JSON content
-    type with a 500 (its validation-error handler fails to serialize the bytes). This checks both
-    before the request reaches the ingress, and answers in OpenAI's error shape.
+    Ray Serve LLM has no API-key option and no per-request limits, and answers a non-JSON body sent
+    without a JSON content type with a 500 (its validation-error handler fails to serialize the
+    bytes). This checks all three before the request reaches the ingress, and answers in OpenAI's
+    error shape.
     """
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | None, max_tokens: int | None = None, max_n: int | None = None):
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+        self.max_tokens, self.max_n = max_tokens, max_n
 
     async def _reply(self, send, status: int, message: str, kind: str) -> None:
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
@@ -159,7 +188,7 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        problem = body_problem(body)
+        problem = body_problem(body, self.max_tokens, self.max_n)
         if problem:
             return await self._reply(send, 400, problem, "invalid_request_error")
         sent = False
@@ -192,7 +221,7 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
     )
 
 
-def build_app(llm_cfg, api_key: str | None):
+def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig | None = None):
     """`build_openai_app`'s app, with `RequestGuard` first on the ingress's FastAPI app.
 
     The ingress is assembled as `build_openai_app` assembles it (same deployments, options and
@@ -206,7 +235,9 @@ def build_app(llm_cfg, api_key: str | None):
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
     fastapi_app = init()
-    fastapi_app.add_middleware(RequestGuard, api_key=api_key)  # added last, so it runs first
+    limits = limits or LimitsConfig()
+    # Added last, so it runs first.
+    fastapi_app.add_middleware(RequestGuard, api_key=api_key, max_tokens=limits.max_tokens, max_n=limits.max_n)
     ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
     return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([llm_cfg])).bind(
         llm_deployments={llm_cfg.model_id: build_llm_deployment(llm_cfg)},
@@ -256,7 +287,7 @@ class Server:
             raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "
                             f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise ray.num_cpus")
         _check_port_free(self.cfg.http.host, self.cfg.http.port)
-        app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed), key)
+        app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed), key, self.cfg.limits)
         self.log(f"deploying {self.cfg.served_name()} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
                  f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")
         t0 = time.time()

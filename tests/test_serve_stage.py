@@ -58,7 +58,7 @@ def server(registered, tracking_uri, ray_local, tmp_path_factory, monkeypatch_mo
     run_dir, _ = registered
     monkeypatch_module.setenv("SERVE_TEST_KEY", KEY)
     cfg = smoke_config(run_dir, f"stages.serve.http.port={PORT}", "stages.serve.http.api_key_env=SERVE_TEST_KEY",
-                       "stages.serve.engine.max_num_seqs=16").stages.serve
+                       "stages.serve.engine.max_num_seqs=16", "stages.serve.limits.max_tokens=32").stages.serve
     model_dir = fetch("models:/posttrain-policy@champion", tracking_uri, tmp_path_factory.mktemp("registry_cache"))
     with Server(cfg, model_dir, print) as url:
         yield url, cfg.served_name()
@@ -132,10 +132,12 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
             "negative max_tokens": post("/v1/chat/completions", {"model": model, "max_tokens": -5,
                                                                  "messages": [{"role": "user", "content": "hi"}]}),
             "prompt longer than the context": post("/v1/completions", {**good, "prompt": "1 + 1 " * 400}),
+            "max_tokens above the limit": post("/v1/completions", {**good, "max_tokens": 33}),
         }
         statuses = {name: r.status_code for name, r in cases.items()}
         assert statuses == {"no key": 401, "wrong key": 401, "bad JSON": 400, "non-JSON as text/plain": 400,
-                            "unknown model": 404, "negative max_tokens": 400, "prompt longer than the context": 400}
+                            "unknown model": 404, "negative max_tokens": 400, "prompt longer than the context": 400,
+                            "max_tokens above the limit": 400}
         assert "max_tokens" in cases["negative max_tokens"].text and "context length" in cases["prompt longer than the context"].text
         after = post("/v1/completions", good)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] > 0

@@ -100,6 +100,19 @@ def test_request_guard_checks_the_key_and_the_body():
     assert _call(guard(None), "POST", b"[1, 2]")[0] == 400
 
 
+def test_request_guard_enforces_the_sampling_limits():
+    def limited(inner):
+        return RequestGuard(inner, None, max_tokens=16, max_n=2)
+
+    status, body, seen = _call(limited, "POST", b'{"max_tokens": 17}')
+    assert status == 400 and "max_tokens 17 exceeds this server's limit of 16" in json.loads(body)["error"]["message"]
+    assert seen is None  # never reached the engine
+    assert _call(limited, "POST", b'{"max_completion_tokens": 99}')[0] == 400
+    assert "n 3 exceeds" in json.loads(_call(limited, "POST", b'{"n": 3}')[1])["error"]["message"]
+    assert _call(limited, "POST", b'{"max_tokens": 16, "n": 2}')[0] == 200  # at the limits
+    assert _call(lambda inner: RequestGuard(inner, None), "POST", b'{"max_tokens": 100000}')[0] == 200  # no limit set
+
+
 def test_pure_helpers():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 95) == 5.0
@@ -142,6 +155,8 @@ def test_serve_config_errors_name_the_key(tmp_path):
         smoke_config(tmp_path, f"stages.batch_infer.prompts={tmp_path / 'p.txt'}")
     with pytest.raises(ConfigError, match="stages.serve.engine.dtype"):
         smoke_config(tmp_path, "stages.serve.engine.dtype=fp8")
+    with pytest.raises(ConfigError, match=r"stages.serve: .*smoke.max_tokens \(16\) exceeds limits.max_tokens \(8\)"):
+        smoke_config(tmp_path, "stages.serve.limits.max_tokens=8")
 
 
 def test_serve_reads_its_source_and_runs_every_time_only_when_blocking(tmp_path):
