@@ -221,7 +221,7 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
     )
 
 
-def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig | None = None):
+def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig):
     """`build_openai_app`'s app, with `RequestGuard` first on the ingress's FastAPI app.
 
     The ingress is assembled as `build_openai_app` assembles it (same deployments, options and
@@ -235,7 +235,6 @@ def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig | None = None):
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
     fastapi_app = init()
-    limits = limits or LimitsConfig()
     # Added last, so it runs first.
     fastapi_app.add_middleware(RequestGuard, api_key=api_key, max_tokens=limits.max_tokens, max_n=limits.max_n)
     ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
