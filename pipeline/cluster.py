@@ -10,7 +10,9 @@ job's runtime environment (`working_dir`), unless this process already is a subm
 driver (`python -m pipeline submit`), whose runtime environment carries it. On a cluster of more
 than one node, the run directory must be shared: every node writes checkpoints into it and reads
 its inputs from it, so `check_shared_storage` asks each node to read a file the driver wrote and
-to write one back, and stops the run with a clear error before any work if one cannot.
+to write one back, and stops the run with a clear error before any work if one cannot. With an
+object store (`storage.uri`, `pipeline.storage`) run_dir is each node's own working copy and
+`check_bucket` asks each node to write and read the bucket instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+
+from pipeline import storage
 
 # What the cluster's workers need of the project is its code, not the venv, runs or tests.
 RUNTIME_EXCLUDES = [".venv", ".git", "runs", "tests", "bench", "**/__pycache__", "*.egg-info", "mlruns"]
@@ -38,7 +42,7 @@ def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -
 
         _check_reachable(address)
         runtime_env = None if JOB_DRIVER_ENV in os.environ else {
-            "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES}
+            "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES, "env_vars": storage_env()}
         try:
             ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -51,7 +55,11 @@ def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -
             f"{sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs, {sum(n['Resources'].get('GPU', 0) for n in nodes):g} GPUs")
         if run_dir is not None:
             try:
-                if check_shared_storage(run_dir):
+                found = storage.active()
+                if found and check_bucket(found[0]):
+                    log(f"{found[0].uri} is readable and writable from all {len(nodes)} nodes (run_dir is each "
+                        "node's working copy)")
+                elif not found and check_shared_storage(run_dir):
                     log(f"run_dir is readable and writable from all {len(nodes)} nodes")
             except BaseException:
                 ray.shutdown()
@@ -63,8 +71,14 @@ def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -
             object_store_memory=int(gib * 2**30) if gib else None,
             # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
             include_dashboard=True,
+            runtime_env={"env_vars": storage_env()},
         )
     return True
+
+
+def storage_env() -> dict[str, str]:
+    """The object store this run uses (`storage.activate`), for the workers' environment."""
+    return {storage.ENV: os.environ[storage.ENV]} if storage.ENV in os.environ else {}
 
 
 def _check_reachable(address: str, timeout_s: float = 10) -> None:
@@ -156,3 +170,34 @@ def check_shared_storage(run_dir: Path, timeout_s: float = 120) -> list[dict]:
                         + "\n  ".join(problems) + "\nput run_dir on storage every node mounts at the same path "
                         "(NFS, EFS, Filestore, or a bucket mounted with mountpoint-s3 / gcsfuse)")
     return reports
+
+
+def check_bucket(store, timeout_s: float = 120) -> list[dict]:
+    """On a multi-node cluster, make sure every alive node can write and read the bucket; the per-node reports."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pipeline.errors import UserError
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) < 2:
+        return []
+    probe = ray.remote(num_cpus=0, max_retries=0)(_probe_bucket)
+    reports = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+                       .remote(store) for n in nodes], timeout=timeout_s)
+    problems = [f"node {r['node_id'][:12]} ({r['host']}, {r['ip']}): {r['error']}" for r in reports if r["error"]]
+    if problems:
+        raise UserError(f"storage.uri {store.uri} is not usable from all {len(nodes)} nodes of the Ray cluster:\n  "
+                        + "\n  ".join(problems) + "\ngive every node credentials for the bucket (AWS_ACCESS_KEY_ID / "
+                        "AWS_SECRET_ACCESS_KEY, an instance role) and a route to storage.endpoint_url")
+    return reports
+
+
+def _probe_bucket(store) -> dict:
+    """On one node: can it write, read back and delete an object in the bucket?"""
+    import socket
+
+    import ray
+
+    return {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+            "ip": ray.util.get_node_ip_address(), "error": storage.probe(store)}

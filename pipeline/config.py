@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 from pipeline.schema import Section
+from pipeline.storage import StorageConfig
 from stages.batch_infer import BatchInferConfig
 from stages.common.models import ModelConfig
 from stages.common.tasks import TaskConfig
@@ -93,6 +94,8 @@ class PipelineConfig(Section):
         description="Refuse to start when run_dir's filesystem has less free space than this (GiB): a full disk "
         "then fails before any work, not in the middle of a checkpoint.",
     )
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Object storage (s3://) for "
+                                   "artifacts and checkpoints; empty: run_dir is the storage of record.")
     seed: int = Field(0, ge=0, description="Seed for data generation, splits, model init and training.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection settings.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking settings.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import json
 import os
 import shutil
 import signal
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import artifacts
+from pipeline import artifacts, storage
 from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
 from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
@@ -157,13 +158,19 @@ def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
     return "; ".join(reasons) or "changed"
 
 
-def tuned_values(run_dir: Path, tune_key: str) -> dict | None:
-    """The finished sweep's best values ({field path: value}), or None if it has not run."""
+def tuned_values(run_dir: Path, tune_key: str, store: storage.ObjectStore | None = None) -> dict | None:
+    """The finished sweep's best values ({field path: value}), or None if it has not run.
+
+    Read from the bucket when only the bucket has the sweep (planning writes nothing locally)."""
     manifest = artifacts.read_manifest(run_dir, "tune", tune_key)
-    if manifest is None:
+    if manifest is not None:
+        path = artifacts.output_paths(manifest, artifacts.artifact_dir(run_dir, "tune", tune_key))["best_config"]
+        best = artifacts.read_json(path)
+    elif store is not None and (manifest := storage.remote_manifest(store, "tune", tune_key)) is not None:
+        raw = store.read_bytes(f"artifacts/tune/{tune_key}/{manifest['outputs']['best_config']}")
+        best = json.loads(raw) if raw else None
+    else:
         return None
-    path = artifacts.output_paths(manifest, artifacts.artifact_dir(run_dir, "tune", tune_key))["best_config"]
-    best = artifacts.read_json(path)
     return best["params"] if best else None
 
 
@@ -181,6 +188,7 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
     for name in forced - {"all"}:
         select(stages, only=[name])  # validates the name
     fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+    store = storage.from_config(cfg)
     producer = {o: s.name for s in stages for o in s.outputs}
     keys: dict[str, str] = {}
     plan = []
@@ -188,7 +196,7 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
         upstream = {i: keys[producer[i]] for i in spec.inputs}
         stage_cfg = get_path(cfg, spec.config)
         if "best_config" in spec.inputs:
-            values = tuned_values(cfg.run_dir, upstream["best_config"])
+            values = tuned_values(cfg.run_dir, upstream["best_config"], store)
             if values is None:
                 upstream["best_config"] = f"{PENDING} {upstream['best_config']}"
             else:
@@ -200,14 +208,16 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
                                     f"config ({exc}); rerun the sweep (--force tune) or set use_tuned: false") from None
         comps = components(cfg, spec, upstream, fps, stage_cfg)
         key = keys[spec.name] = artifacts.hash_json(comps)
-        finished = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
+        local = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
+        remote = not local and store is not None and storage.remote_manifest(store, spec.name, key) is not None
+        finished = local or remote
         always = getattr(importlib.import_module(spec.module), "always_runs", lambda _: None)(stage_cfg)
         if spec.name in chosen and spec.name in forced:
             status, reason = "miss", "forced (--force)"
         elif always:
             status, reason = "miss", always
         elif finished:
-            status, reason = "hit", f"cached ({key})"
+            status, reason = "hit", f"cached ({key})" if local else f"cached in {store.uri} ({key})"
         else:
             status, reason = "miss", explain_miss(cfg.run_dir, spec, key, comps)
         plan.append(PlannedStage(spec, key, comps, status if spec.name in chosen else "skip", reason, finished,
@@ -352,6 +362,9 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
         (ctx.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)  # first: a half-deleted dir is never a hit
         shutil.rmtree(ctx.out_dir)
     ctx.out_dir.mkdir(parents=True)
+    store = storage.from_config(cfg)
+    if store is not None:
+        storage.clear_artifact(store, p.spec.name, p.key)
     artifacts.write_json_atomic(artifacts.attempt_file(cfg.run_dir, p.spec.name),
                                 {"key": p.key, "components": p.components, "pid": os.getpid()})
     module = importlib.import_module(p.spec.module)
@@ -368,7 +381,33 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
         "code_version": git_version(), "host": socket.gethostname(),
     }
     artifacts.write_json_atomic(ctx.out_dir / artifacts.MANIFEST, manifest)
+    if store is not None:
+        t0 = time.time()
+        sent = storage.push_artifact(store, cfg.run_dir, p.spec.name, p.key)
+        ctx.progress(f"pushed {sent / 2**20:.1f} MiB to {store.url(f'artifacts/{p.spec.name}/{p.key}')} "
+                     f"in {time.time() - t0:.1f}s")
     return manifest
+
+
+def check_store(store: storage.ObjectStore | None) -> None:
+    """Fail before any work when the bucket cannot be written and read back (credentials, endpoint, name)."""
+    if store is None:
+        return
+    problem = storage.probe(store)
+    if problem:
+        raise UserError(f"storage.uri {store.uri}: cannot write and read back an object ({problem}); check that the "
+                        "bucket exists, the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and "
+                        "storage.endpoint_url")
+
+
+def _pull(cfg: PipelineConfig, store: storage.ObjectStore | None, stage: str, key: str, console) -> None:
+    """Make a finished artifact that only the bucket has local (a hit, or the input of a stage to run)."""
+    if store is None or artifacts.read_manifest(cfg.run_dir, stage, key) is not None:
+        return
+    t0 = time.time()
+    if not storage.pull_artifact(store, cfg.run_dir, stage, key):
+        raise UserError(f"stage '{stage}': its artifact {key} vanished from {store.uri} since planning; run again")
+    console.print(f"  pulled {stage} ({key}) from {store.uri} in {time.time() - t0:.1f}s")
 
 
 def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
@@ -382,6 +421,9 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     from pipeline.tracking import Tracker
 
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
+    store = storage.from_config(cfg)
+    check_store(store)
+    storage.activate(store, cfg.run_dir)  # workers find the store through the environment
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
@@ -412,12 +454,14 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 )
                 out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
                 if p.status == "hit":
+                    _pull(cfg, store, name, p.key, console)
                     manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
                     tracker.log_metrics(run_id, manifest.get("metrics", {}))
                 else:
                     inputs, upstream = {}, {}
                     for inp in p.spec.inputs:
                         up = by_name[producer[inp]]
+                        _pull(cfg, store, up.spec.name, up.key, console)
                         upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
                         inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
                             cfg.run_dir, up.spec.name, up.key))[inp]
@@ -448,6 +492,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
+            storage.activate(None, cfg.run_dir)
             if run_id:
                 tracker.end(run_id, status)
             tracker.end(tracker.parent_id, status)

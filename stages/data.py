@@ -25,6 +25,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pipeline import storage
 from pipeline.errors import DataError
 from pipeline.schema import Section
 from stages.common.formats import KINDS, SUFFIXES, check_row, locate_problem
@@ -349,7 +350,7 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path) -> tuple[
         part = part.map_batches(_pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                                 fn_kwargs={"max_len": cfg.max_len})
     dest.mkdir(parents=True, exist_ok=True)
-    part.write_parquet(str(dest))
+    storage.write_parquet(part, dest)
     files = sorted(dest.glob("*.parquet"))
     if not files:
         return 0, 0

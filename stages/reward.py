@@ -85,13 +85,15 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
+    from pipeline import storage
     from stages.common import models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
-    model = AutoModelForSequenceClassification.from_pretrained(c["init"], num_labels=1, dtype=torch.float32,
+    init = storage.localize(c["init"])  # a node without a shared run_dir pulls it from the object store
+    model = AutoModelForSequenceClassification.from_pretrained(init, num_labels=1, dtype=torch.float32,
                                                                **models.SAFE_LOAD)
     model.config.pad_token_id = c["pad_id"]  # the classifier reads the last non-pad token
     if cfg.deepspeed.activation_checkpointing:

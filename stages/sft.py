@@ -78,13 +78,15 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pipeline import storage
     from stages.common import models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = SFTConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
-    model = AutoModelForCausalLM.from_pretrained(c["base"], dtype=torch.float32, **models.SAFE_LOAD)
+    base = storage.localize(c["base"])  # a node without a shared run_dir pulls it from the object store
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **models.SAFE_LOAD)
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "sft")

@@ -33,6 +33,11 @@ def read_parquet(path: str | Path):
     this call and the caller's environment is left as it was."""
     import ray.data
 
+    from pipeline import storage
+
+    where, fs = storage.target(path)  # with a store: from the bucket, so read tasks work on any node
+    if fs is not None:
+        return ray.data.read_parquet(where, filesystem=fs)
     readers = footer_readers(path)
     if readers is None or ENV in os.environ:
         return ray.data.read_parquet(str(path))

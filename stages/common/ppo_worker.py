@@ -57,9 +57,11 @@ class PPOWorker(Workhorse):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+        from pipeline.storage import localize
         from stages.common.models import SAFE_LOAD, count_parameters, load_tokenizer
 
         torch.manual_seed(spec["seed"] + self.rank)
+        spec = {**spec, "model_dir": str(localize(spec["model_dir"]))}  # pulled if this node lacks it
         self.spec, self.kind = spec, spec["kind"]
         self.generator = torch.Generator().manual_seed(spec["seed"] * 1000 + self.rank)
         if self.kind == "causal":

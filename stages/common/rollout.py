@@ -148,12 +148,14 @@ class RolloutEngine:
         import torch
         from vllm import LLM
 
+        from pipeline.storage import localize
+
         if not spec.gpu:
             # One engine per logical CPU slot; let its matmuls use the cores Ray gave it.
             torch.set_num_threads(max(1, int(spec.num_cpus)))
         self.index = index
         self.llm = LLM(
-            model=model_dir, dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
+            model=str(localize(model_dir)),  # pulled from the object store if this node lacks it dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
             distributed_executor_backend="uni", enforce_eager=not spec.gpu,
             gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
             enable_prefix_caching=True,

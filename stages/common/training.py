@@ -39,7 +39,13 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    storage.mkdir(parents=True, exist_ok=True)
+    from pipeline import storage as object_storage
+
+    # With an object store the checkpoints live in the bucket (any node's restarted workers read
+    # them there); otherwise in the local (or shared) checkpoint directory.
+    storage_path, storage_fs = object_storage.target(storage)
+    if storage_fs is None:
+        storage.mkdir(parents=True, exist_ok=True)
     # Not materialised on purpose: a materialised dataset's blocks reach the workers in a
     # timing-dependent split, which broke the same-data-every-run guarantee (ZeRO and resume tests).
     trainer = TorchTrainer(
@@ -53,13 +59,14 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
         dataset_config=DataConfig(datasets_to_split="all", execution_options=ExecutionOptions(preserve_order=True)),
         run_config=RunConfig(
             name="train",
-            storage_path=str(storage),
+            storage_path=storage_path,
+            storage_filesystem=storage_fs,
             checkpoint_config=CheckpointConfig(num_to_keep=tcfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=tcfg.max_failures),
             callbacks=list(callbacks),
             # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
             worker_runtime_env={"env_vars": {**device_env(gpu), **{k: v for k, v in os.environ.items()
-                                                                   if k.startswith("PIPELINE_FAULT_")}}},
+                                                                   if k.startswith(("PIPELINE_FAULT_", object_storage.ENV))}}},
         ),
     )
     return trainer.fit()

@@ -1,0 +1,329 @@
+"""Object storage (`storage.uri: s3://bucket/prefix`): the run's artifacts and training checkpoints in a bucket.
+
+Without it, `run_dir` is the storage of record, and on a multi-node cluster it must be a path
+every node mounts (`pipeline.cluster.check_shared_storage`). With it, the bucket is the storage of
+record and `run_dir` becomes each machine's working copy:
+
+- a finished artifact is pushed to `<uri>/artifacts/<stage>/<key>/` after its manifest is written
+  locally, the manifest uploaded last: a remote artifact without a manifest (an interrupted
+  upload) is never taken as finished, exactly as locally;
+- a cache lookup that misses locally looks in the bucket and pulls the artifact into `run_dir`
+  (a new machine, a wiped disk or another node reuses what any run produced);
+- Ray Train checkpoints go to `<uri>/checkpoints/<stage>/<key>/` through Ray Train's own
+  `storage_filesystem`, so a restarted worker group on any node resumes from them;
+- Ray Data reads the stage inputs from the bucket (its read tasks run on any node), and a
+  worker process opening a model directory calls `localize`, which pulls the artifact holding it
+  when this node has no copy.
+
+Workers learn the store from the `PIPELINE_STORAGE` environment variable, which the driver sets
+(`activate`) before Ray starts and ships in the runtime environment when it joins a cluster.
+
+We use pyarrow's `S3FileSystem` rather than boto3: pyarrow is already what Ray Data and Ray
+Train use for `s3://`, and it speaks to any S3-compatible endpoint (`endpoint_url`: MinIO, Ceph,
+GCS's interoperability API). Credentials come from the usual AWS sources (AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY, ~/.aws, an instance role).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from pipeline.schema import Section
+
+ENV = "PIPELINE_STORAGE"  # JSON: {"uri", "endpoint_url", "region", "run_dir"}
+MANIFEST = "manifest.json"  # == artifacts.MANIFEST (not imported: workers import this module alone)
+
+
+class StorageConfig(Section):
+    """Object storage for artifacts and checkpoints; empty: run_dir alone (a shared path on a cluster)."""
+
+    uri: str | None = Field(
+        None,
+        description="'s3://bucket/prefix': finished artifacts and training checkpoints are kept in the bucket and "
+        "pulled into run_dir (each machine's working copy) when missing there. Lets a multi-node cluster run "
+        "without a shared run_dir. Empty: run_dir alone.",
+    )
+    endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint (MinIO, Ceph, GCS interoperability), e.g. 'http://minio:9000'. "
+        "Empty: AWS S3. Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws.",
+    )
+    region: str | None = Field(None, description="Bucket region, e.g. 'us-east-1'. Empty: AWS_DEFAULT_REGION or "
+                               "pyarrow's default.")
+
+    @field_validator("uri")
+    @classmethod
+    def _s3(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        v = v.strip().rstrip("/")
+        if not v.startswith("s3://") or not v[5:].split("/")[0]:
+            raise ValueError(f"{v!r} is not an object-store URI; write s3://BUCKET or s3://BUCKET/PREFIX (a local or "
+                             "mounted path belongs in run_dir)")
+        return v
+
+
+class ObjectStore:
+    """A bucket prefix; paths given to its methods are relative to it ('artifacts/sft/<key>')."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None, region: str | None = None):
+        self.uri, self.endpoint_url, self.region = uri.rstrip("/"), endpoint_url, region
+        self.root = self.uri.removeprefix("s3://")  # bucket/prefix, as pyarrow names it
+
+    @cached_property
+    def fs(self):
+        from pyarrow import fs
+
+        kwargs = {"region": self.region} if self.region else {}
+        if self.endpoint_url:
+            scheme, _, host = self.endpoint_url.partition("://")
+            kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+        return fs.S3FileSystem(**kwargs)
+
+    def path(self, rel: str = "") -> str:
+        """The pyarrow path (bucket/prefix/rel) of `rel`."""
+        return f"{self.root}/{rel}".rstrip("/")
+
+    def url(self, rel: str = "") -> str:
+        return f"s3://{self.path(rel)}"
+
+    def to_env(self, run_dir: Path) -> str:
+        return json.dumps({"uri": self.uri, "endpoint_url": self.endpoint_url, "region": self.region,
+                           "run_dir": str(run_dir)})
+
+    # ---------------------------------------------------------------- files
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        from pyarrow.lib import ArrowException
+
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except (FileNotFoundError, ArrowException, OSError):
+            return None
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.fs.open_output_stream(self.path(rel)) as f:
+            f.write(data)
+
+    def delete(self, rel: str) -> None:
+        self.fs.delete_file(self.path(rel))
+
+    def delete_dir(self, rel: str) -> None:
+        """Remove everything under `rel` (nothing there is fine)."""
+        self.fs.delete_dir_contents(self.path(rel), missing_dir_ok=True)
+
+    def files(self, rel: str) -> dict[str, int]:
+        """{path relative to `rel`: size} of every file under `rel` (empty if none)."""
+        from pyarrow import fs
+
+        base = self.path(rel)
+        try:
+            infos = self.fs.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True))
+        except OSError:
+            return {}
+        return {i.path[len(base) + 1:]: i.size for i in infos if i.type == fs.FileType.File}
+
+    def upload_dir(self, local: Path, rel: str, last: str | None = None) -> int:
+        """Upload every file under `local` to `rel`, `last` (a relative name) after all others; files
+        already there with the same size are skipped. Returns the bytes uploaded."""
+        remote = self.files(rel)
+        names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+        if last in names:
+            names.remove(last)
+            names.append(last)
+        sent = 0
+        for name in names:
+            size = (local / name).stat().st_size
+            if name != last and remote.get(name) == size:
+                continue
+            with (local / name).open("rb") as src, self.fs.open_output_stream(self.path(f"{rel}/{name}")) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            sent += size
+        return sent
+
+    def download_dir(self, rel: str, local: Path) -> int:
+        """Download every file under `rel` into `local`; returns the bytes downloaded."""
+        got = 0
+        for name, size in self.files(rel).items():
+            dest = local / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with self.fs.open_input_stream(self.path(f"{rel}/{name}")) as src, dest.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            got += size
+        return got
+
+
+def from_config(cfg) -> ObjectStore | None:
+    """The run's store (`cfg.storage`), or None when it has none."""
+    s = cfg.storage
+    return ObjectStore(s.uri, s.endpoint_url, s.region) if s.uri else None
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def _artifact_rel(stage: str, key: str) -> str:
+    return f"artifacts/{stage}/{key}"
+
+
+def remote_manifest(store: ObjectStore, stage: str, key: str) -> dict | None:
+    """The manifest of a finished artifact in the bucket, or None (missing or an interrupted upload)."""
+    data = store.read_bytes(f"{_artifact_rel(stage, key)}/{MANIFEST}")
+    try:
+        manifest = json.loads(data) if data else None
+    except json.JSONDecodeError:
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("key") == key else None
+
+
+def clear_artifact(store: ObjectStore, stage: str, key: str) -> None:
+    """Drop what an interrupted attempt left in the bucket under this key, manifest first."""
+    try:
+        store.delete(f"{_artifact_rel(stage, key)}/{MANIFEST}")
+    except (FileNotFoundError, OSError):
+        pass
+    store.delete_dir(_artifact_rel(stage, key))
+
+
+def push_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> int:
+    """Upload a finished local artifact, its manifest last; returns the bytes sent."""
+    local = run_dir / "artifacts" / stage / key
+    if not (local / MANIFEST).is_file():
+        raise FileNotFoundError(f"{local} has no {MANIFEST}: only finished artifacts are pushed")
+    return store.upload_dir(local, _artifact_rel(stage, key), last=MANIFEST)
+
+
+def pull_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> bool:
+    """Bring a finished artifact from the bucket into run_dir; False if the bucket has none.
+
+    Downloaded into a temporary sibling and renamed into place, manifest included, so a pull cut
+    short never leaves a directory that looks finished. A per-artifact lock lets the workers of one
+    node that need the same model share a single download.
+    """
+    local = run_dir / "artifacts" / stage / key
+    if (local / MANIFEST).is_file():
+        return True
+    local.parent.mkdir(parents=True, exist_ok=True)
+    with open(local.parent / f".{key}.pull.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (local / MANIFEST).is_file():  # another process pulled it while we waited
+            return True
+        if remote_manifest(store, stage, key) is None:
+            return False
+        tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{key}.pull-"))
+        try:
+            store.download_dir(_artifact_rel(stage, key), tmp)
+            if local.exists():  # partial output of an interrupted local attempt
+                (local / MANIFEST).unlink(missing_ok=True)
+                shutil.rmtree(local)
+            os.replace(tmp, local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return True
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def activate(store: ObjectStore | None, run_dir: Path) -> dict[str, str]:
+    """Tell this process and the Ray workers it starts about the store; the env vars to ship to a cluster."""
+    if store is None:
+        os.environ.pop(ENV, None)
+        return {}
+    os.environ[ENV] = store.to_env(run_dir)
+    return {ENV: os.environ[ENV]}
+
+
+def active() -> tuple[ObjectStore, Path] | None:
+    """The store and run_dir this process works with (from `PIPELINE_STORAGE`), or None."""
+    raw = os.environ.get(ENV)
+    if not raw:
+        return None
+    spec = json.loads(raw)
+    return ObjectStore(spec["uri"], spec.get("endpoint_url"), spec.get("region")), Path(spec["run_dir"])
+
+
+def _artifact_of(path: Path, run_dir: Path) -> tuple[str, str] | None:
+    """(stage, key) of the artifact holding `path`, if `path` lies in run_dir's artifacts."""
+    try:
+        parts = Path(path).relative_to(run_dir / "artifacts").parts
+    except ValueError:
+        return None
+    return (parts[0], parts[1]) if len(parts) >= 2 else None
+
+
+def localize(path: str | Path) -> Path:
+    """`path` on this node: pulled from the store first when it is part of an artifact this node lacks.
+
+    Call it in worker processes before opening an input (a model directory): on a multi-node
+    cluster without a shared run_dir, the driver's artifacts exist on this node only once pulled.
+    """
+    path = Path(path)
+    found = active()
+    if path.exists() or found is None:
+        return path
+    store, run_dir = found
+    artifact = _artifact_of(path, run_dir)
+    if artifact is None or not pull_artifact(store, run_dir, *artifact):
+        raise FileNotFoundError(f"{path} is neither on this node nor in {store.uri}")
+    return path
+
+
+def target(path: str | Path) -> tuple[str, object | None]:
+    """(path, pyarrow filesystem) under which Ray Data and Ray Train should address `path`.
+
+    A path inside run_dir maps to the same place in the bucket when a store is active (reads and
+    checkpoints then work from any node); anything else stays a local path (filesystem None).
+    """
+    found = active()
+    if found is None:
+        return str(path), None
+    store, run_dir = found
+    try:
+        rel = Path(path).relative_to(run_dir)
+    except ValueError:
+        return str(path), None
+    return store.path(str(rel)), store.fs
+
+
+def write_parquet(ds, dest: Path) -> None:
+    """`ds.write_parquet(dest)`; with a store, through the bucket, then pulled into `dest`.
+
+    Ray Data's write tasks run on any node: into a node-local run_dir they would scatter the files
+    over the nodes. The bucket is the one place every node reaches."""
+    found = active()
+    rel = None
+    if found is not None:
+        store, run_dir = found
+        try:
+            rel = str(Path(dest).relative_to(run_dir))
+        except ValueError:
+            pass
+    if rel is None:
+        ds.write_parquet(str(dest))
+        return
+    store.delete_dir(rel)
+    ds.write_parquet(store.path(rel), filesystem=store.fs)
+    store.download_dir(rel, Path(dest))
+
+
+def probe(store: ObjectStore) -> str:
+    """Write, read back and delete a marker object; '' if that works, else what failed."""
+    rel = f".storage-check-{uuid.uuid4().hex}"
+    try:
+        store.write_bytes(rel, b"ok")
+        ok = store.read_bytes(rel) == b"ok"
+        store.delete(rel)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "" if ok else "wrote a marker object but could not read it back"

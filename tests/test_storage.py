@@ -1,0 +1,195 @@
+"""Object storage (`storage.uri: s3://...`) against a local S3 server (moto, on 127.0.0.1).
+
+The unit tests cover what makes the bucket a safe storage of record (a remote artifact without
+its manifest is never finished, pulls are all-or-nothing, workers pull what their node lacks);
+the pipeline test runs model -> data -> sft with the store, then from an empty run_dir on the
+same bucket, which must reuse everything the first run pushed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOKE, run_cli, smoke_config
+
+BUCKET = "pipeline-test"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server on a free local port with one bucket; stopped by PID at the end."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the moto S3 server did not start") from None
+                time.sleep(0.2)
+        from pyarrow import fs
+
+        fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
+                        allow_bucket_creation=True).create_dir(BUCKET)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _store(endpoint: str, prefix: str):
+    from pipeline.storage import ObjectStore
+
+    return ObjectStore(f"s3://{BUCKET}/{prefix}", endpoint)
+
+
+def _artifact(run_dir: Path, stage: str, key: str, payload: bytes) -> Path:
+    out = run_dir / "artifacts" / stage / key
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "weights.bin").write_bytes(payload)
+    (out / "manifest.json").write_text(json.dumps({"stage": stage, "key": key, "outputs": {"model": "model"}}))
+    return out
+
+
+@pytest.fixture()
+def active_store(s3_endpoint, tmp_path, request):
+    from pipeline import storage
+
+    store = _store(s3_endpoint, request.node.name)
+    storage.activate(store, tmp_path / "node")
+    yield store
+    storage.activate(None, tmp_path / "node")
+
+
+# --------------------------------------------------------------------------- units
+
+
+def test_config_rejects_a_storage_uri_that_is_not_an_object_store(tmp_path):
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"storage\.uri.*s3://BUCKET"):
+        smoke_config(tmp_path, "storage.uri=/mnt/shared")
+    assert smoke_config(tmp_path, "storage.uri=s3://b/p/").storage.uri == "s3://b/p"
+
+
+def test_an_artifact_round_trips_and_an_unfinished_upload_is_never_taken(s3_endpoint, tmp_path):
+    from pipeline import storage
+
+    store = _store(s3_endpoint, "roundtrip")
+    src = _artifact(tmp_path / "a", "sft", "k1", os.urandom(3000))
+    assert storage.push_artifact(store, tmp_path / "a", "sft", "k1") > 3000
+    assert storage.remote_manifest(store, "sft", "k1")["key"] == "k1"
+    assert storage.pull_artifact(store, tmp_path / "b", "sft", "k1")
+    got = tmp_path / "b" / "artifacts" / "sft" / "k1"
+    assert (got / "model" / "weights.bin").read_bytes() == (src / "model" / "weights.bin").read_bytes()
+
+    # An upload cut off before its manifest: files in the bucket, but not an artifact.
+    store.upload_dir(src / "model", "artifacts/sft/k2/model")
+    assert storage.remote_manifest(store, "sft", "k2") is None
+    assert not storage.pull_artifact(store, tmp_path / "b", "sft", "k2")
+    assert not (tmp_path / "b" / "artifacts" / "sft" / "k2").exists()
+    # ... and a rerun of that stage clears it before writing anew.
+    storage.clear_artifact(store, "sft", "k2")
+    assert store.files("artifacts/sft/k2") == {}
+
+
+def test_a_pull_replaces_partial_local_output(s3_endpoint, tmp_path):
+    from pipeline import storage
+
+    store = _store(s3_endpoint, "partial")
+    _artifact(tmp_path / "a", "data", "k", b"good")
+    storage.push_artifact(store, tmp_path / "a", "data", "k")
+    partial = tmp_path / "b" / "artifacts" / "data" / "k"
+    (partial / "model").mkdir(parents=True)
+    (partial / "model" / "weights.bin").write_bytes(b"half")  # an interrupted local attempt, no manifest
+    (partial / "stray.tmp").write_bytes(b"x")
+    assert storage.pull_artifact(store, tmp_path / "b", "data", "k")
+    assert (partial / "model" / "weights.bin").read_bytes() == b"good" and not (partial / "stray.tmp").exists()
+
+
+def test_a_worker_pulls_the_artifact_its_node_lacks(active_store, tmp_path):
+    from pipeline import storage
+
+    _artifact(tmp_path / "driver", "sft", "k", b"weights")
+    storage.push_artifact(active_store, tmp_path / "driver", "sft", "k")
+    wanted = tmp_path / "node" / "artifacts" / "sft" / "k" / "model"
+    assert storage.localize(wanted) == wanted and (wanted / "weights.bin").read_bytes() == b"weights"
+    with pytest.raises(FileNotFoundError, match=rf"nowhere.*neither on this node nor in {active_store.uri}"):
+        storage.localize(tmp_path / "node" / "artifacts" / "sft" / "nowhere" / "model")
+    # Ray Data and Ray Train address run_dir paths in the bucket; other paths stay local.
+    where, fs = storage.target(tmp_path / "node" / "checkpoints" / "sft" / "k")
+    assert where == active_store.path("checkpoints/sft/k") and fs is not None
+    assert storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
+
+
+def test_an_unusable_bucket_fails_before_any_work(s3_endpoint, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "storage.uri=s3://no-such-bucket/run",
+                     f"storage.endpoint_url={s3_endpoint}", "--json")
+    assert result.returncode == 2, result.stderr
+    assert "storage.uri s3://no-such-bucket/run: cannot write and read back an object" in result.stderr
+    assert "Traceback" not in result.stderr and not (run_dir / "artifacts").exists()
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3_endpoint, tmp_path):
+    store_args = [f"storage.uri=s3://{BUCKET}/pipeline", f"storage.endpoint_url={s3_endpoint}"]
+    first = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'first'}", *store_args, "--to", "sft", "--json",
+                    timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stages = {s["name"]: s for s in json.loads(first.stdout)["stages"]}
+    assert [stages[n]["status"] for n in ("model", "data", "sft")] == ["miss"] * 3
+    assert "pushed" in first.stderr
+
+    store = _store(s3_endpoint, "pipeline")
+    keys = {n: stages[n]["cache_key"] for n in ("model", "data", "sft")}
+    for name, key in keys.items():  # every finished artifact is in the bucket, manifest included
+        assert store.files(f"artifacts/{name}/{key}").keys() == _tree(tmp_path / "first" / "artifacts" / name / key).keys()
+    checkpoints = store.files(f"checkpoints/sft/{keys['sft']}")
+    assert any(name.endswith(".safetensors") or "checkpoint" in name for name in checkpoints), checkpoints
+
+    # A new machine (an empty run_dir) on the same bucket: nothing reruns, everything is pulled.
+    second = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'second'}", *store_args, "--to", "sft", "--json",
+                     timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = {s["name"]: s for s in json.loads(second.stdout)["stages"]}
+    assert [again[n]["status"] for n in ("model", "data", "sft")] == ["hit"] * 3
+    assert all(f"cached in s3://{BUCKET}/pipeline" in again[n]["reason"] for n in again if again[n]["status"] == "hit")
+    assert "pulled sft" in second.stderr and "Ray not started" in second.stderr
+    sft = f"artifacts/sft/{keys['sft']}"
+    assert _tree(tmp_path / "second" / sft) == _tree(tmp_path / "first" / sft)
+    shutil.rmtree(tmp_path / "first", ignore_errors=True)
