@@ -155,7 +155,8 @@ class RolloutEngine:
             torch.set_num_threads(max(1, int(spec.num_cpus)))
         self.index = index
         self.llm = LLM(
-            model=str(localize(model_dir)),  # pulled from the object store if this node lacks it dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
+            model=str(localize(model_dir)),  # pulled from the object store if this node lacks it
+            dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
             distributed_executor_backend="uni", enforce_eager=not spec.gpu,
             gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
             enable_prefix_caching=True,

@@ -64,9 +64,10 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
             checkpoint_config=CheckpointConfig(num_to_keep=tcfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=tcfg.max_failures),
             callbacks=list(callbacks),
-            # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
-            worker_runtime_env={"env_vars": {**device_env(gpu), **{k: v for k, v in os.environ.items()
-                                                                   if k.startswith(("PIPELINE_FAULT_", object_storage.ENV))}}},
+            # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests; the
+            # object store, for workers that pull their inputs.
+            worker_runtime_env={"env_vars": {**device_env(gpu), **{
+                k: v for k, v in os.environ.items() if k.startswith(("PIPELINE_FAULT_", object_storage.ENV))}}},
         ),
     )
     return trainer.fit()
