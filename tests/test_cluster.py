@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ROOT, SMOKE
 from helpers.cluster import TwoNodeCluster, end_tree, wait_for
+from helpers.s3 import CREDENTIALS, S3Server
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,8 @@ SFT = ["--to", "sft", "stages.sft.placement_strategy=STRICT_SPREAD", "stages.sft
 
 @pytest.fixture(scope="module")
 def cluster():
-    with TwoNodeCluster() as c:
+    # The nodes hold credentials for the test's S3 server, as real nodes hold theirs (an instance role).
+    with TwoNodeCluster(extra_env=CREDENTIALS) as c:
         yield c
 
 
@@ -124,3 +126,21 @@ def test_job_control_stop_and_exit_codes(cluster, tmp_path):
     assert stopped.returncode == 0 and f"{job_id}: STOPPED" in stopped.stdout
     unknown = _cli(cluster, "status", "pipeline-no-such-job", "--address", cluster.dashboard)
     assert unknown.returncode == 2 and "no job 'pipeline-no-such-job'" in unknown.stderr
+
+
+def test_a_run_on_the_object_store_checks_the_bucket_from_both_nodes(cluster, tmp_path):
+    with S3Server() as s3:
+        args = ["run", str(SMOKE), f"run_dir={tmp_path / 'run'}", *SFT, f"storage.uri=s3://{s3.bucket}/cluster",
+                f"storage.endpoint_url={s3.endpoint}", "--json"]
+        env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}
+        result = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, capture_output=True,
+                                text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"s3://{s3.bucket}/cluster is readable and writable from all 2 nodes" in result.stderr
+        stages = {s["name"]: s for s in json.loads(result.stdout)["stages"]}
+        store = s3.store("cluster")
+        for name in ("model", "data", "sft"):
+            assert "manifest.json" in store.files(f"artifacts/{name}/{stages[name]['cache_key']}")
+        checkpoints = store.files(f"checkpoints/sft/{stages['sft']['cache_key']}")
+        assert any("checkpoint_" in name for name in checkpoints), sorted(checkpoints)[:20]
+        print(f"object-store run on 2 nodes: {len(checkpoints)} checkpoint files in the bucket")

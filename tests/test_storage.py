@@ -11,63 +11,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import SMOKE, run_cli, smoke_config
-
-BUCKET = "pipeline-test"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+from helpers.s3 import BUCKET, S3Server
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint():
-    """A moto S3 server on a free local port with one bucket; stopped by PID at the end."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the moto S3 server did not start") from None
-                time.sleep(0.2)
-        from pyarrow import fs
-
-        fs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http",
-                        allow_bucket_creation=True).create_dir(BUCKET)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _store(endpoint: str, prefix: str):
-    from pipeline.storage import ObjectStore
-
-    return ObjectStore(f"s3://{BUCKET}/{prefix}", endpoint)
+def s3():
+    with S3Server() as server:
+        yield server
 
 
 def _artifact(run_dir: Path, stage: str, key: str, payload: bytes) -> Path:
@@ -79,10 +34,10 @@ def _artifact(run_dir: Path, stage: str, key: str, payload: bytes) -> Path:
 
 
 @pytest.fixture()
-def active_store(s3_endpoint, tmp_path, request):
+def active_store(s3, tmp_path, request):
     from pipeline import storage
 
-    store = _store(s3_endpoint, request.node.name)
+    store = s3.store(request.node.name)
     storage.activate(store, tmp_path / "node")
     yield store
     storage.activate(None, tmp_path / "node")
@@ -99,10 +54,10 @@ def test_config_rejects_a_storage_uri_that_is_not_an_object_store(tmp_path):
     assert smoke_config(tmp_path, "storage.uri=s3://b/p/").storage.uri == "s3://b/p"
 
 
-def test_an_artifact_round_trips_and_an_unfinished_upload_is_never_taken(s3_endpoint, tmp_path):
+def test_an_artifact_round_trips_and_an_unfinished_upload_is_never_taken(s3, tmp_path):
     from pipeline import storage
 
-    store = _store(s3_endpoint, "roundtrip")
+    store = s3.store("roundtrip")
     src = _artifact(tmp_path / "a", "sft", "k1", os.urandom(3000))
     assert storage.push_artifact(store, tmp_path / "a", "sft", "k1") > 3000
     assert storage.remote_manifest(store, "sft", "k1")["key"] == "k1"
@@ -120,10 +75,10 @@ def test_an_artifact_round_trips_and_an_unfinished_upload_is_never_taken(s3_endp
     assert store.files("artifacts/sft/k2") == {}
 
 
-def test_a_pull_replaces_partial_local_output(s3_endpoint, tmp_path):
+def test_a_pull_replaces_partial_local_output(s3, tmp_path):
     from pipeline import storage
 
-    store = _store(s3_endpoint, "partial")
+    store = s3.store("partial")
     _artifact(tmp_path / "a", "data", "k", b"good")
     storage.push_artifact(store, tmp_path / "a", "data", "k")
     partial = tmp_path / "b" / "artifacts" / "data" / "k"
@@ -149,10 +104,10 @@ def test_a_worker_pulls_the_artifact_its_node_lacks(active_store, tmp_path):
     assert storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
 
 
-def test_an_unusable_bucket_fails_before_any_work(s3_endpoint, tmp_path):
+def test_an_unusable_bucket_fails_before_any_work(s3, tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "storage.uri=s3://no-such-bucket/run",
-                     f"storage.endpoint_url={s3_endpoint}", "--json")
+                     f"storage.endpoint_url={s3.endpoint}", "--json")
     assert result.returncode == 2, result.stderr
     assert "storage.uri s3://no-such-bucket/run: cannot write and read back an object" in result.stderr
     assert "Traceback" not in result.stderr and not (run_dir / "artifacts").exists()
@@ -166,8 +121,8 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3_endpoint, tmp_path):
-    store_args = [f"storage.uri=s3://{BUCKET}/pipeline", f"storage.endpoint_url={s3_endpoint}"]
+def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3, tmp_path):
+    store_args = [f"storage.uri=s3://{BUCKET}/pipeline", f"storage.endpoint_url={s3.endpoint}"]
     first = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'first'}", *store_args, "--to", "sft", "--json",
                     timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -175,7 +130,7 @@ def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3_endpoint, tmp
     assert [stages[n]["status"] for n in ("model", "data", "sft")] == ["miss"] * 3
     assert "pushed" in first.stderr
 
-    store = _store(s3_endpoint, "pipeline")
+    store = s3.store("pipeline")
     keys = {n: stages[n]["cache_key"] for n in ("model", "data", "sft")}
     for name, key in keys.items():  # every finished artifact is in the bucket, manifest included
         assert store.files(f"artifacts/{name}/{key}").keys() == _tree(tmp_path / "first" / "artifacts" / name / key).keys()

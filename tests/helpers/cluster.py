@@ -62,10 +62,10 @@ def end_tree(root: int, grace_s: float = 10) -> None:
 class TwoNodeCluster:
     """`with TwoNodeCluster() as c:` -> c.gcs ('127.0.0.1:PORT'), c.dashboard (URL), c.env (for clients)."""
 
-    def __init__(self, cpus_per_node: int = 4):
+    def __init__(self, cpus_per_node: int = 4, extra_env: dict | None = None):
         self.cpus = cpus_per_node
         self.tmp = Path(tempfile.mkdtemp(prefix="r2n-", dir="/tmp"))  # short: Ray's socket paths have a length limit
-        self.env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        self.env = {**os.environ, **(extra_env or {}), "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                     "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.env.pop("RAY_ADDRESS", None)
         self.procs: list[subprocess.Popen] = []
