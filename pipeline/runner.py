@@ -400,11 +400,20 @@ def check_store(store: storage.ObjectStore | None) -> None:
                         "storage.endpoint_url")
 
 
-def _pull(cfg: PipelineConfig, store: storage.ObjectStore | None, stage: str, key: str, console) -> None:
-    """Make a finished artifact that only the bucket has local (a hit, or the input of a stage to run)."""
-    if store is None or artifacts.read_manifest(cfg.run_dir, stage, key) is not None:
+def _sync(cfg: PipelineConfig, store: storage.ObjectStore | None, stage: str, key: str, console) -> None:
+    """Make a finished artifact (a hit, or the input of a stage to run) present both here and in the bucket.
+
+    Pulls what only the bucket has; pushes what only run_dir has (a push cut short by a network
+    failure, or an artifact made before the run used a store)."""
+    if store is None:
         return
     t0 = time.time()
+    if artifacts.read_manifest(cfg.run_dir, stage, key) is not None:
+        if storage.remote_manifest(store, stage, key) is None:
+            sent = storage.push_artifact(store, cfg.run_dir, stage, key)
+            console.print(f"  pushed {stage} ({key}, {sent / 2**20:.1f} MiB) to {store.uri}, which lacked it, "
+                          f"in {time.time() - t0:.1f}s")
+        return
     if not storage.pull_artifact(store, cfg.run_dir, stage, key):
         raise UserError(f"stage '{stage}': its artifact {key} vanished from {store.uri} since planning; run again")
     console.print(f"  pulled {stage} ({key}) from {store.uri} in {time.time() - t0:.1f}s")
@@ -454,14 +463,14 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 )
                 out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
                 if p.status == "hit":
-                    _pull(cfg, store, name, p.key, console)
+                    _sync(cfg, store, name, p.key, console)
                     manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
                     tracker.log_metrics(run_id, manifest.get("metrics", {}))
                 else:
                     inputs, upstream = {}, {}
                     for inp in p.spec.inputs:
                         up = by_name[producer[inp]]
-                        _pull(cfg, store, up.spec.name, up.key, console)
+                        _sync(cfg, store, up.spec.name, up.key, console)
                         upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
                         inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
                             cfg.run_dir, up.spec.name, up.key))[inp]

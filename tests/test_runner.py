@@ -181,3 +181,37 @@ def test_library_upgrade_reruns_everything(toy, monkeypatch):
     plan = t.plan()
     assert all(p.status == "miss" for p in plan.values())
     assert plan["toy_c"].reason == "libraries changed: transformers"
+
+
+def test_with_an_object_store_an_empty_run_dir_pulls_and_the_bucket_is_kept_complete(toy):
+    import shutil
+
+    from helpers.s3 import S3Server
+    from pipeline import storage
+
+    t, _, _, run_dir = toy
+    with S3Server() as s3:
+        args = (f"storage.uri=s3://{s3.bucket}/toy", f"storage.endpoint_url={s3.endpoint}")
+        store = s3.store("toy")
+        assert t.run(*args) == ["a", "b", "c"]
+        keys = {name: p.key for name, p in t.plan(*args).items()}
+        assert all(storage.remote_manifest(store, name, key) for name, key in keys.items())
+
+        # An empty run_dir on the same bucket (a new machine): every stage is a hit, pulled, nothing runs.
+        shutil.rmtree(run_dir / "artifacts")
+        assert all(p.status == "hit" and f"cached in {store.uri}" in p.reason for p in t.plan(*args).values())
+        assert t.run(*args) == []
+        local_b = run_dir / "artifacts" / "toy_b" / keys["toy_b"]
+        assert (local_b / "b.txt").read_text().endswith("+b") and (local_b / "manifest.json").is_file()
+
+        # The bucket lost an artifact (a push cut short): the next run pushes it again, runs nothing.
+        storage.clear_artifact(store, "toy_c", keys["toy_c"])
+        assert t.run(*args) == []
+        assert storage.remote_manifest(store, "toy_c", keys["toy_c"]) is not None
+
+        # Files in the bucket without their manifest are not an artifact: the stage runs again.
+        store.delete(f"artifacts/toy_c/{keys['toy_c']}/manifest.json")
+        shutil.rmtree(run_dir / "artifacts" / "toy_c")
+        assert t.plan(*args)["toy_c"].status == "miss"
+        assert t.run(*args) == ["c"]
+        assert storage.remote_manifest(store, "toy_c", keys["toy_c"]) is not None
