@@ -244,6 +244,14 @@ def activate(store: ObjectStore | None, run_dir: Path) -> dict[str, str]:
     return {ENV: os.environ[ENV]}
 
 
+def worker_env() -> dict[str, str]:
+    """The variable that tells worker processes about the active store ({} without one).
+
+    Given explicitly to the actors the stages start (Ray Train workers, PPO ranks, rollout
+    engines): a Ray instance started before `activate` would not pass it on by itself."""
+    return {ENV: os.environ[ENV]} if ENV in os.environ else {}
+
+
 def active() -> tuple[ObjectStore, Path] | None:
     """The store and run_dir this process works with (from `PIPELINE_STORAGE`), or None."""
     raw = os.environ.get(ENV)
@@ -285,15 +293,79 @@ def target(path: str | Path) -> tuple[str, object | None]:
     A path inside run_dir maps to the same place in the bucket when a store is active (reads and
     checkpoints then work from any node); anything else stays a local path (filesystem None).
     """
-    found = active()
+    found = _in_store(path)
     if found is None:
         return str(path), None
+    store, rel = found
+    return store.path(rel), store.fs
+
+
+def _in_store(path: str | Path) -> tuple[ObjectStore, str] | None:
+    """(store, path relative to run_dir) when a store is active and `path` lies in run_dir."""
+    found = active()
+    if found is None:
+        return None
     store, run_dir = found
     try:
-        rel = Path(path).relative_to(run_dir)
+        return store, str(Path(path).relative_to(run_dir))
     except ValueError:
-        return str(path), None
-    return store.path(str(rel)), store.fs
+        return None
+
+
+def push_path(path: str | Path) -> int:
+    """Upload a file or directory of run_dir to the same place in the bucket; bytes sent (0 without a store).
+
+    For checkpoints written outside Ray Train (the PPO stage's): each process pushes what it wrote."""
+    found = _in_store(path)
+    path = Path(path)
+    if found is None or not path.exists():
+        return 0
+    store, rel = found
+    if path.is_file():
+        store.write_bytes(rel, path.read_bytes())
+        return path.stat().st_size
+    return store.upload_dir(path, rel)
+
+
+def pull_path(path: str | Path) -> int:
+    """Download a file or directory of run_dir from the bucket where this node lacks it (or has another
+    size); bytes received (0 without a store). Serialised per path: ranks on one node share one download."""
+    found = _in_store(path)
+    if found is None:
+        return 0
+    store, rel = found
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.pull.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        listing = store.files(rel)
+        data = None if listing else store.read_bytes(rel)  # a directory, or a file (or nothing)
+        if data is not None:
+            if not path.is_file() or path.stat().st_size != len(data):
+                tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+                return len(data)
+            return 0
+        got = 0
+        for name, size in listing.items():
+            dest = path / name
+            if dest.is_file() and dest.stat().st_size == size:
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+            with store.fs.open_input_stream(store.path(f"{rel}/{name}")) as src, tmp.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(tmp, dest)
+            got += size
+        return got
+
+
+def drop_path(path: str | Path) -> None:
+    """Remove a directory of run_dir from the bucket too (old checkpoints); nothing without a store."""
+    found = _in_store(path)
+    if found is not None:
+        found[0].delete_dir(found[1])
 
 
 def write_parquet(ds, dest: Path) -> None:
@@ -301,17 +373,11 @@ def write_parquet(ds, dest: Path) -> None:
 
     Ray Data's write tasks run on any node: into a node-local run_dir they would scatter the files
     over the nodes. The bucket is the one place every node reaches."""
-    found = active()
-    rel = None
-    if found is not None:
-        store, run_dir = found
-        try:
-            rel = str(Path(dest).relative_to(run_dir))
-        except ValueError:
-            pass
-    if rel is None:
+    found = _in_store(dest)
+    if found is None:
         ds.write_parquet(str(dest))
         return
+    store, rel = found
     store.delete_dir(rel)
     ds.write_parquet(store.path(rel), filesystem=store.fs)
     store.download_dir(rel, Path(dest))

@@ -369,23 +369,34 @@ def _evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -
 
 
 def _latest(ckpt: Path) -> dict | None:
+    """The last checkpoint's record; with an object store, the bucket's when this machine has none."""
+    from pipeline import storage
     from pipeline.artifacts import read_json
 
-    return read_json(ckpt / "latest.json")
+    storage.pull_path(ckpt / "latest.json")
+    latest = read_json(ckpt / "latest.json")
+    if latest:
+        storage.pull_path(ckpt / latest["dir"] / "state.json")
+    return latest
 
 
 def _save(ckpt: Path, it: int, groups: dict, state: dict) -> None:
-    """Every trainable role's DeepSpeed state, then the driver state; `latest.json` last, atomically."""
+    """Every trainable role's DeepSpeed state, then the driver state; `latest.json` last, atomically
+    (and with an object store, pushed last)."""
     import ray
 
+    from pipeline import storage
     from pipeline.artifacts import write_json_atomic
 
     d = ckpt / f"iter_{it:05d}"
     ray.get([r for name, g in groups.items() for r in g.run("save", str(d / name))])
     (d / "state.json").write_text(json.dumps(state))
+    storage.push_path(d / "state.json")
     write_json_atomic(ckpt / "latest.json", {"iteration": it, "dir": d.name})
+    storage.push_path(ckpt / "latest.json")
     for old in sorted(ckpt.glob("iter_*"))[:-2]:  # keep the last two
         shutil.rmtree(old, ignore_errors=True)
+        storage.drop_path(old)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -395,6 +406,7 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
     import ray
     import torch
 
+    from pipeline import storage
     from stages.common import rl
     from stages.common.deepspeed import use_gpu
     from stages.common.models import load_tokenizer
@@ -524,6 +536,7 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
 
         out = ctx.out_dir / "model"
         ray.get(policy.run("save_hf", str(out)))
+        storage.pull_path(out)  # with an object store: rank 0 may have written it on another node
         tok.save_pretrained(out)
         final = dict(metrics)
         if before is not None:

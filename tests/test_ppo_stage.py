@@ -85,14 +85,30 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]
 
 
-def test_interrupted_ppo_resumes_from_its_checkpoint(ray_local, run_dir, tracking_uri, monkeypatch):
-    short = [*LEARN, "stages.ppo.iterations=4", "stages.ppo.checkpoint_every=2", "stages.ppo.eval_prompts=0",
-             "stages.ppo.algorithm=grpo"]
-    monkeypatch.setenv("PIPELINE_FAULT_AFTER_ITERATION", "2")
-    with pytest.raises(Exception, match="injected fault after iteration 2"):
-        run_ppo(run_dir, tracking_uri, *short)
-    finished = set((run_dir / "artifacts" / "ppo").glob("*/manifest.json"))
-    monkeypatch.delenv("PIPELINE_FAULT_AFTER_ITERATION")
-    manifest, run_id, _ = run_ppo(run_dir, tracking_uri, *short)
+def test_interrupted_ppo_resumes_from_its_checkpoint_in_the_object_store(ray_local, run_dir, tracking_uri,
+                                                                          monkeypatch):
+    """With `storage.uri`, the ranks' DeepSpeed shards and the driver state go to the bucket; a rerun on a
+    machine without the local checkpoints (wiped here) pulls them and continues after iteration 2."""
+    import shutil
+
+    from helpers.s3 import S3Server
+
+    with S3Server() as s3:
+        short = [*LEARN, "stages.ppo.iterations=4", "stages.ppo.checkpoint_every=2", "stages.ppo.eval_prompts=0",
+                 "stages.ppo.algorithm=grpo", f"storage.uri=s3://{s3.bucket}/ppo", f"storage.endpoint_url={s3.endpoint}"]
+        monkeypatch.setenv("PIPELINE_FAULT_AFTER_ITERATION", "2")
+        with pytest.raises(Exception, match="injected fault after iteration 2"):
+            run_ppo(run_dir, tracking_uri, *short)
+        finished = set((run_dir / "artifacts" / "ppo").glob("*/manifest.json"))
+        monkeypatch.delenv("PIPELINE_FAULT_AFTER_ITERATION")
+        store = s3.store("ppo")
+        [key] = {name.split("/")[0] for name in store.files("checkpoints/ppo")}
+        remote = store.files(f"checkpoints/ppo/{key}")
+        assert "latest.json" in remote and any(n.startswith("iter_00001/policy/") for n in remote), sorted(remote)
+        shutil.rmtree(run_dir / "checkpoints" / "ppo" / key)  # resume on a machine that has only the bucket
+
+        manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *short)
+    assert manifest["key"] == key
     assert run_dir / "artifacts" / "ppo" / manifest["key"] / "manifest.json" not in finished  # no manifest before
     assert sorted(history(tracking_uri, run_id, "reward_mean")) == [3, 4]  # continued after iteration 2
+    assert (policy / "config.json").is_file()

@@ -2,8 +2,8 @@
 
 The unit tests cover what makes the bucket a safe storage of record (a remote artifact without
 its manifest is never finished, pulls are all-or-nothing, workers pull what their node lacks);
-the pipeline test runs model -> data -> sft with the store, then from an empty run_dir on the
-same bucket, which must reuse everything the first run pushed.
+the pipeline test runs model -> data with the store, then from an empty run_dir on the same
+bucket, which must reuse everything the first run pushed.
 """
 
 from __future__ import annotations
@@ -104,6 +104,29 @@ def test_a_worker_pulls_the_artifact_its_node_lacks(active_store, tmp_path):
     assert storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
 
 
+def test_checkpoint_files_meet_in_the_bucket_and_reach_a_machine_without_them(active_store, tmp_path):
+    from pipeline import storage
+
+    ckpt = tmp_path / "node" / "checkpoints" / "ppo" / "k"
+    (ckpt / "iter_00001" / "policy").mkdir(parents=True)
+    (ckpt / "iter_00001" / "policy" / "shard0.pt").write_bytes(b"a" * 10)  # each rank pushes what it wrote
+    assert storage.push_path(ckpt / "iter_00001" / "policy") == 10
+    (ckpt / "latest.json").write_text(json.dumps({"iteration": 1, "dir": "iter_00001"}))
+    assert storage.push_path(ckpt / "latest.json") > 0
+    shutil.rmtree(ckpt)  # a new machine: only the bucket has them
+
+    assert storage.pull_path(ckpt / "latest.json") > 0
+    assert json.loads((ckpt / "latest.json").read_text())["dir"] == "iter_00001"
+    assert storage.pull_path(ckpt / "iter_00001" / "policy") == 10
+    assert (ckpt / "iter_00001" / "policy" / "shard0.pt").read_bytes() == b"a" * 10
+    assert storage.pull_path(ckpt / "iter_00001" / "policy") == 0  # already here: nothing downloaded
+    assert storage.pull_path(ckpt / "iter_00009") == 0 and not (ckpt / "iter_00009").exists()
+    storage.drop_path(ckpt / "iter_00001")
+    assert active_store.files("checkpoints/ppo/k/iter_00001") == {}
+    (tmp_path / "elsewhere.txt").write_text("x")
+    assert storage.push_path(tmp_path / "elsewhere.txt") == 0  # outside run_dir: not the store's business
+
+
 def test_an_unusable_bucket_fails_before_any_work(s3, tmp_path):
     run_dir = tmp_path / "run"
     result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "storage.uri=s3://no-such-bucket/run",
@@ -122,29 +145,30 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3, tmp_path):
+    """model -> data with the store (the data stage's Parquet goes through the bucket), then the same
+    config on an empty run_dir. SFT's checkpoints in the bucket are covered by tests/test_cluster.py."""
     store_args = [f"storage.uri=s3://{BUCKET}/pipeline", f"storage.endpoint_url={s3.endpoint}"]
-    first = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'first'}", *store_args, "--to", "sft", "--json",
-                    timeout=900)
+    first = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'first'}", *store_args, "--to", "data", "--json")
     assert first.returncode == 0, first.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads(first.stdout)["stages"]}
-    assert [stages[n]["status"] for n in ("model", "data", "sft")] == ["miss"] * 3
+    assert [stages[n]["status"] for n in ("model", "data")] == ["miss"] * 2
     assert "pushed" in first.stderr
 
     store = s3.store("pipeline")
-    keys = {n: stages[n]["cache_key"] for n in ("model", "data", "sft")}
+    keys = {n: stages[n]["cache_key"] for n in ("model", "data")}
     for name, key in keys.items():  # every finished artifact is in the bucket, manifest included
-        assert store.files(f"artifacts/{name}/{key}").keys() == _tree(tmp_path / "first" / "artifacts" / name / key).keys()
-    checkpoints = store.files(f"checkpoints/sft/{keys['sft']}")
-    assert any(name.endswith(".safetensors") or "checkpoint" in name for name in checkpoints), checkpoints
+        local = _tree(tmp_path / "first" / "artifacts" / name / key)
+        assert store.files(f"artifacts/{name}/{key}") == {k: len(v) for k, v in local.items()}
+    assert any(n.endswith(".parquet") for n in store.files(f"artifacts/data/{keys['data']}/sft/train"))
 
     # A new machine (an empty run_dir) on the same bucket: nothing reruns, everything is pulled.
-    second = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'second'}", *store_args, "--to", "sft", "--json",
-                     timeout=600)
+    second = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'second'}", *store_args, "--to", "data", "--json")
     assert second.returncode == 0, second.stderr[-3000:]
     again = {s["name"]: s for s in json.loads(second.stdout)["stages"]}
-    assert [again[n]["status"] for n in ("model", "data", "sft")] == ["hit"] * 3
-    assert all(f"cached in s3://{BUCKET}/pipeline" in again[n]["reason"] for n in again if again[n]["status"] == "hit")
-    assert "pulled sft" in second.stderr and "Ray not started" in second.stderr
-    sft = f"artifacts/sft/{keys['sft']}"
-    assert _tree(tmp_path / "second" / sft) == _tree(tmp_path / "first" / sft)
+    assert [again[n]["status"] for n in ("model", "data")] == ["hit"] * 2
+    assert all(f"cached in s3://{BUCKET}/pipeline" in again[n]["reason"] for n in ("model", "data"))
+    assert "pulled data" in second.stderr and "Ray not started" in second.stderr
+    for name, key in keys.items():
+        part = f"artifacts/{name}/{key}"
+        assert _tree(tmp_path / "second" / part) == _tree(tmp_path / "first" / part)
     shutil.rmtree(tmp_path / "first", ignore_errors=True)

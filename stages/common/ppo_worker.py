@@ -217,15 +217,27 @@ class PPOWorker(Workhorse):
             return [ray.put(weights), nbytes(weights)]
 
     def save(self, directory: str) -> None:
+        import deepspeed.comm as dist
+
+        from pipeline import storage
+
         self.engine.save_checkpoint(directory, tag="ds", exclude_frozen_parameters=False)
+        dist.barrier()  # every rank's files are complete before any rank uploads what it sees
+        storage.push_path(directory)  # with an object store: the ranks' shards meet in the bucket
 
     def load(self, directory: str) -> None:
+        from pipeline import storage
+
+        storage.pull_path(directory)  # with an object store: the shards other nodes wrote
         self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
 
     def save_hf(self, directory: str) -> None:
+        from pipeline import storage
         from stages.common.training import save_hf
 
         save_hf(self.engine, Path(directory), self.rank)
+        if self.rank == 0:
+            storage.push_path(directory)  # the driver, maybe on another node, pulls it from the bucket
 
 
 def _chunks(batch: dict, size: int):

@@ -135,9 +135,12 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
 
     def runtime_env(self) -> dict:
-        # Read by vLLM at import and engine start, so they must be in the actor's environment.
+        from pipeline.storage import worker_env
+
+        # Read by vLLM at import and engine start, so they must be in the actor's environment
+        # (and the object store, for an engine that pulls its model).
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gb))),
-               "TOKENIZERS_PARALLELISM": "false", **self.env}
+               "TOKENIZERS_PARALLELISM": "false", **worker_env(), **self.env}
         return {"env_vars": env}
 
 

@@ -66,8 +66,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
             callbacks=list(callbacks),
             # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests; the
             # object store, for workers that pull their inputs.
-            worker_runtime_env={"env_vars": {**device_env(gpu), **{
-                k: v for k, v in os.environ.items() if k.startswith(("PIPELINE_FAULT_", object_storage.ENV))}}},
+            worker_runtime_env={"env_vars": {**device_env(gpu), **object_storage.worker_env(), **{
+                k: v for k, v in os.environ.items() if k.startswith("PIPELINE_FAULT_")}}},
         ),
     )
     return trainer.fit()
