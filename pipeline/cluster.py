@@ -139,50 +139,48 @@ def storage_problems(path: str, reports: list[dict]) -> list[str]:
     return lines
 
 
-def check_shared_storage(run_dir: Path, timeout_s: float = 120) -> list[dict]:
-    """On a multi-node cluster, make sure every alive node reads and writes `run_dir`; the per-node reports."""
+def _on_every_node(fn, *args, timeout_s: float) -> list:
+    """`fn(*args)` once on every alive node (pinned there); [] on a single-node cluster."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from pipeline.errors import UserError
 
     nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
     if len(nodes) < 2:
         return []
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    return ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(*args)
+                    for n in nodes], timeout=timeout_s)
+
+
+def check_shared_storage(run_dir: Path, timeout_s: float = 120) -> list[dict]:
+    """On a multi-node cluster, make sure every alive node reads and writes `run_dir`; the per-node reports."""
+    from pipeline.errors import UserError
+
     run_dir.mkdir(parents=True, exist_ok=True)
     token = uuid.uuid4().hex
     marker = run_dir / f".storage-check-{token}"
     marker.write_text(token)
-    probe = ray.remote(num_cpus=0, max_retries=0)(probe_storage)
     try:
-        reports = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                           .remote(str(run_dir), token) for n in nodes], timeout=timeout_s)
+        reports = _on_every_node(probe_storage, str(run_dir), token, timeout_s=timeout_s)
     finally:
         marker.unlink(missing_ok=True)
     problems = storage_problems(str(run_dir), reports)
     if problems:
-        raise UserError(f"run_dir {run_dir} is not shared by all {len(nodes)} nodes of the Ray cluster:\n  "
+        raise UserError(f"run_dir {run_dir} is not shared by all {len(reports)} nodes of the Ray cluster:\n  "
                         + "\n  ".join(problems) + "\nput run_dir on storage every node mounts at the same path "
-                        "(NFS, EFS, Filestore, or a bucket mounted with mountpoint-s3 / gcsfuse)")
+                        "(NFS, EFS, Filestore, or a bucket mounted with mountpoint-s3 / gcsfuse), or set "
+                        "storage.uri to an s3:// bucket")
     return reports
 
 
 def check_bucket(store, timeout_s: float = 120) -> list[dict]:
     """On a multi-node cluster, make sure every alive node can write and read the bucket; the per-node reports."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from pipeline.errors import UserError
 
-    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-    if len(nodes) < 2:
-        return []
-    probe = ray.remote(num_cpus=0, max_retries=0)(_probe_bucket)
-    reports = ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-                       .remote(store) for n in nodes], timeout=timeout_s)
+    reports = _on_every_node(_probe_bucket, store, timeout_s=timeout_s)
     problems = [f"node {r['node_id'][:12]} ({r['host']}, {r['ip']}): {r['error']}" for r in reports if r["error"]]
     if problems:
-        raise UserError(f"storage.uri {store.uri} is not usable from all {len(nodes)} nodes of the Ray cluster:\n  "
+        raise UserError(f"storage.uri {store.uri} is not usable from all {len(reports)} nodes of the Ray cluster:\n  "
                         + "\n  ".join(problems) + "\ngive every node credentials for the bucket (AWS_ACCESS_KEY_ID / "
                         "AWS_SECRET_ACCESS_KEY, an instance role) and a route to storage.endpoint_url")
     return reports

@@ -30,6 +30,12 @@ def ray_local():
     """One local Ray for in-process stage tests (the runner reuses it and leaves it running)."""
     import ray
 
+    from helpers.s3 import CREDENTIALS
+
+    # Its workers hold credentials for the tests' local S3 server (helpers/s3.py), as a real node holds
+    # its own: S3 clients without any send unsigned uploads, which moto stores still chunk-encoded.
+    for name, value in CREDENTIALS.items():
+        os.environ.setdefault(name, value)
     ray.init(num_cpus=8, include_dashboard=True)  # the dashboard serves the state API Ray Train polls
     yield
     ray.shutdown()
