@@ -432,7 +432,6 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
     store = storage.from_config(cfg)
     check_store(store)
-    storage.activate(store, cfg.run_dir)  # workers find the store through the environment
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
@@ -449,6 +448,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         summary["parent_run_id"] = tracker.parent_id
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
         status, run_id, ctx = "FINISHED", None, None
+        storage.activate(store, cfg.run_dir)  # workers find the store through the environment
         try:
             for i in range(1, len(active) + 1):
                 p = active[i - 1]
