@@ -133,10 +133,11 @@ class ObjectStore:
             return {}
         return {i.path[len(base) + 1:]: i.size for i in infos if i.type == fs.FileType.File}
 
-    def upload_dir(self, local: Path, rel: str, last: str | None = None) -> int:
-        """Upload every file under `local` to `rel`, `last` (a relative name) after all others; files
-        already there with the same size are skipped. Returns the bytes uploaded."""
-        remote = self.files(rel)
+    def upload_dir(self, local: Path, rel: str, last: str | None = None, skip_same_size: bool = False) -> int:
+        """Upload every file under `local` to `rel`, `last` (a relative name) after all others; returns
+        the bytes uploaded. `skip_same_size` skips files already there with the same size: only for a
+        prefix this attempt wrote itself (an artifact's, cleared when its stage starts)."""
+        remote = self.files(rel) if skip_same_size else {}
         names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
         if last in names:
             names.remove(last)
@@ -200,7 +201,8 @@ def push_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> in
     local = run_dir / "artifacts" / stage / key
     if not (local / MANIFEST).is_file():
         raise FileNotFoundError(f"{local} has no {MANIFEST}: only finished artifacts are pushed")
-    return store.upload_dir(local, _artifact_rel(stage, key), last=MANIFEST)
+    # The data stage already wrote its Parquet through the bucket (`write_parquet`): not sent twice.
+    return store.upload_dir(local, _artifact_rel(stage, key), last=MANIFEST, skip_same_size=True)
 
 
 def pull_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> bool:
@@ -341,7 +343,7 @@ def pull_path(path: str | Path) -> int:
         listing = store.files(rel)
         data = None if listing else store.read_bytes(rel)  # a directory, or a file (or nothing)
         if data is not None:
-            if not path.is_file() or path.stat().st_size != len(data):
+            if not path.is_file() or path.read_bytes() != data:
                 tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
                 tmp.write_bytes(data)
                 os.replace(tmp, path)

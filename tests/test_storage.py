@@ -121,6 +121,9 @@ def test_checkpoint_files_meet_in_the_bucket_and_reach_a_machine_without_them(ac
     assert (ckpt / "iter_00001" / "policy" / "shard0.pt").read_bytes() == b"a" * 10
     assert storage.pull_path(ckpt / "iter_00001" / "policy") == 0  # already here: nothing downloaded
     assert storage.pull_path(ckpt / "iter_00009") == 0 and not (ckpt / "iter_00009").exists()
+    (ckpt / "latest.json").write_text(json.dumps({"iteration": 0, "dir": "iter_00000"}))  # same size, older
+    assert storage.pull_path(ckpt / "latest.json") > 0  # the bucket's record wins
+    assert json.loads((ckpt / "latest.json").read_text())["dir"] == "iter_00001"
     storage.drop_path(ckpt / "iter_00001")
     assert active_store.files("checkpoints/ppo/k/iter_00001") == {}
     (tmp_path / "elsewhere.txt").write_text("x")
