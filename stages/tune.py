@@ -240,9 +240,11 @@ def _trial(config: dict, setup: dict) -> None:
     from mlflow.tracking import MlflowClient
     from ray import tune
 
+    from pipeline import storage
     from pipeline.config import PipelineConfig, flatten, with_values
     from pipeline.tracking import log_params
 
+    os.environ.update(setup["storage_env"])  # the object store, if any: Tune's actors may predate it
     pipeline = PipelineConfig.model_validate(setup["pipeline"])
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(pipeline.tracking_uri)
@@ -256,7 +258,7 @@ def _trial(config: dict, setup: dict) -> None:
         log_params(client, run_id, flatten(cfg.model_dump(mode="json")))
         work = Path(setup["work_dir"]) / trial_id
         ctx = TrialContext(f"{setup['target']} trial {trial_id}", pipeline, work / "out", work / "checkpoints",
-                           {k: Path(v) for k, v in setup["inputs"].items()}, run_id)
+                           {k: storage.localize(v) for k, v in setup["inputs"].items()}, run_id)
         shutil.rmtree(ctx.out_dir, ignore_errors=True)
         ctx.out_dir.mkdir(parents=True)
         import ray.data
@@ -379,13 +381,16 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
     """Sweep the target stage with Ray Tune; write the best trial's values and a results table."""
     from ray import tune
 
+    from pipeline import storage
     from pipeline.errors import UserError
 
     ctx.ray()
     work = ctx.checkpoint_dir / "trials"
+    tune_storage, tune_fs = storage.target(ctx.checkpoint_dir / "tune")
     setup = {"target": cfg.target, "pipeline": ctx.pipeline.model_dump(mode="json"),
              "inputs": {k: str(v) for k, v in ctx.inputs.items()}, "work_dir": str(work),
-             "experiment_id": ctx.tracker.experiment_id, "parent_run_id": ctx.run_id}
+             "experiment_id": ctx.tracker.experiment_id, "parent_run_id": ctx.run_id,
+             "storage_env": storage.worker_env()}
     trainable = tune.with_resources(tune.with_parameters(_trial, setup=setup),
                                     {"cpu": cfg.resources_per_trial.cpu, "gpu": cfg.resources_per_trial.gpu})
     ctx.progress(f"sweeping {cfg.target} over {', '.join(cfg.search_space)}: {cfg.num_samples} samples, "
@@ -403,7 +408,8 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
                                     # the random searcher limits itself (see _searcher)
                                     max_concurrent_trials=None if cfg.search_alg == "random" else cfg.max_concurrent_trials,
                                     trial_dirname_creator=lambda trial: trial.trial_id),
-        run_config=tune.RunConfig(name="sweep", storage_path=str(ctx.checkpoint_dir / "tune"), verbose=0,
+        # With an object store, Tune's experiment state lives in the bucket like every checkpoint.
+        run_config=tune.RunConfig(name="sweep", storage_path=tune_storage, storage_filesystem=tune_fs, verbose=0,
                                   callbacks=[_progress_callback(cfg.metric)]),
     )
     try:
@@ -444,4 +450,5 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
                  f"({counts['completed']} completed, {counts['stopped_early']} stopped early, {counts['failed']} failed, "
                  f"{time.time() - t0:.0f}s)")
     shutil.rmtree(work, ignore_errors=True)  # trial models and checkpoints: only the chosen values are kept
+    storage.drop_path(work)  # (and their copies in the object store, if any)
     return {"best_config": ctx.out_dir / "best_config.json"}

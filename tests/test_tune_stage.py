@@ -24,12 +24,22 @@ SWEEP = ["stages.tune.target=sft", f"stages.tune.search_space.lr.grid={GRID}", "
 
 @pytest.fixture(scope="module")
 def sweep(smoke_upstream, tmp_path_factory, tracking_uri):
-    """The sweep run to the tune stage, then sft with the tuned value: (config, first summary, second summary)."""
+    """The sweep run to the tune stage, then sft with the tuned value: (config, first summary, second summary).
+
+    With an object store (a local S3 server): Tune's experiment state and the trials' Ray Train
+    checkpoints go to the bucket, which is how a sweep runs on a cluster without a shared run_dir."""
+    from helpers.s3 import S3Server
+
     run_dir = smoke_upstream(tmp_path_factory.mktemp("tune"))
-    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP)
-    first = run_pipeline(cfg, SMOKE, Console(quiet=True), to="tune")
-    tuned = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP, "stages.sft.use_tuned=true")
-    second = run_pipeline(tuned, SMOKE, Console(quiet=True), to="sft")
+    with S3Server() as s3:
+        store = (f"storage.uri=s3://{s3.bucket}/tune", f"storage.endpoint_url={s3.endpoint}")
+        cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP, *store)
+        first = run_pipeline(cfg, SMOKE, Console(quiet=True), to="tune")
+        in_bucket = s3.store("tune").files(f"checkpoints/tune/{first['stages']['tune']['key']}")
+        tuned = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP, *store, "stages.sft.use_tuned=true")
+        second = run_pipeline(tuned, SMOKE, Console(quiet=True), to="sft")
+    assert any(name.startswith("tune/sweep/") for name in in_bucket), sorted(in_bucket)[:20]
+    assert not (run_dir / "checkpoints" / "tune" / first["stages"]["tune"]["key"] / "tune").exists()
     return cfg, first, second
 
 
