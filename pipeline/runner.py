@@ -389,36 +389,6 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
     return manifest
 
 
-def check_store(store: storage.ObjectStore | None) -> None:
-    """Fail before any work when the bucket cannot be written and read back (credentials, endpoint, name)."""
-    if store is None:
-        return
-    problem = storage.probe(store)
-    if problem:
-        raise UserError(f"storage.uri {store.uri}: cannot write and read back an object ({problem}); check that the "
-                        "bucket exists, the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and "
-                        "storage.endpoint_url")
-
-
-def _sync(cfg: PipelineConfig, store: storage.ObjectStore | None, stage: str, key: str, console) -> None:
-    """Make a finished artifact (a hit, or the input of a stage to run) present both here and in the bucket.
-
-    Pulls what only the bucket has; pushes what only run_dir has (a push cut short by a network
-    failure, or an artifact made before the run used a store)."""
-    if store is None:
-        return
-    t0 = time.time()
-    if artifacts.read_manifest(cfg.run_dir, stage, key) is not None:
-        if storage.remote_manifest(store, stage, key) is None:
-            sent = storage.push_artifact(store, cfg.run_dir, stage, key)
-            console.print(f"  pushed {stage} ({key}, {sent / 2**20:.1f} MiB) to {store.uri}, which lacked it, "
-                          f"in {time.time() - t0:.1f}s")
-        return
-    if not storage.pull_artifact(store, cfg.run_dir, stage, key):
-        raise UserError(f"stage '{stage}': its artifact {key} vanished from {store.uri} since planning; run again")
-    console.print(f"  pulled {stage} ({key}) from {store.uri} in {time.time() - t0:.1f}s")
-
-
 def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
                  registry: tuple[StageSpec, ...] | None = None, summary: dict | None = None) -> dict[str, Any]:
     """Plan and run under the run-dir lock (so no other run changes the cache between the two).
@@ -431,7 +401,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
 
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
     store = storage.from_config(cfg)
-    check_store(store)
+    storage.check(store)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
@@ -463,14 +433,16 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 )
                 out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
                 if p.status == "hit":
-                    _sync(cfg, store, name, p.key, console)
+                    if store is not None:
+                        storage.sync_artifact(store, cfg.run_dir, name, p.key, console.print)
                     manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
                     tracker.log_metrics(run_id, manifest.get("metrics", {}))
                 else:
                     inputs, upstream = {}, {}
                     for inp in p.spec.inputs:
                         up = by_name[producer[inp]]
-                        _sync(cfg, store, up.spec.name, up.key, console)
+                        if store is not None:
+                            storage.sync_artifact(store, cfg.run_dir, up.spec.name, up.key, console.print)
                         upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
                         inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
                             cfg.run_dir, up.spec.name, up.key))[inp]

@@ -31,16 +31,18 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from functools import cached_property
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
+from pipeline.artifacts import MANIFEST, read_manifest
+from pipeline.errors import UserError
 from pipeline.schema import Section
 
 ENV = "PIPELINE_STORAGE"  # JSON: {"uri", "endpoint_url", "region", "run_dir"}
-MANIFEST = "manifest.json"  # == artifacts.MANIFEST (not imported: workers import this module alone)
 
 
 class StorageConfig(Section):
@@ -152,14 +154,19 @@ class ObjectStore:
             sent += size
         return sent
 
-    def download_dir(self, rel: str, local: Path) -> int:
-        """Download every file under `rel` into `local`; returns the bytes downloaded."""
+    def download_dir(self, rel: str, local: Path, skip_same_size: bool = False) -> int:
+        """Download every file under `rel` into `local` (each written whole, then renamed into place);
+        returns the bytes downloaded. `skip_same_size` keeps local files of the remote size."""
         got = 0
         for name, size in self.files(rel).items():
             dest = local / name
+            if skip_same_size and dest.is_file() and dest.stat().st_size == size:
+                continue
             dest.parent.mkdir(parents=True, exist_ok=True)
-            with self.fs.open_input_stream(self.path(f"{rel}/{name}")) as src, dest.open("wb") as dst:
+            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+            with self.fs.open_input_stream(self.path(f"{rel}/{name}")) as src, tmp.open("wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
+            os.replace(tmp, dest)
             got += size
         return got
 
@@ -199,7 +206,7 @@ def clear_artifact(store: ObjectStore, stage: str, key: str) -> None:
 def push_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> int:
     """Upload a finished local artifact, its manifest last; returns the bytes sent."""
     local = run_dir / "artifacts" / stage / key
-    if not (local / MANIFEST).is_file():
+    if read_manifest(run_dir, stage, key) is None:
         raise FileNotFoundError(f"{local} has no {MANIFEST}: only finished artifacts are pushed")
     # The data stage already wrote its Parquet through the bucket (`write_parquet`): not sent twice.
     return store.upload_dir(local, _artifact_rel(stage, key), last=MANIFEST, skip_same_size=True)
@@ -213,12 +220,12 @@ def pull_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> bo
     node that need the same model share a single download.
     """
     local = run_dir / "artifacts" / stage / key
-    if (local / MANIFEST).is_file():
+    if read_manifest(run_dir, stage, key) is not None:
         return True
     local.parent.mkdir(parents=True, exist_ok=True)
     with open(local.parent / f".{key}.pull.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (local / MANIFEST).is_file():  # another process pulled it while we waited
+        if read_manifest(run_dir, stage, key) is not None:  # another process pulled it while we waited
             return True
         if remote_manifest(store, stage, key) is None:
             return False
@@ -234,16 +241,41 @@ def pull_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> bo
     return True
 
 
+def sync_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str, log) -> None:
+    """Make a finished artifact (a hit, or the input of a stage to run) present both here and in the bucket.
+
+    Pulls what only the bucket has; pushes what only run_dir has (a push cut short by a network
+    failure, or an artifact made before the run used a store)."""
+    t0 = time.time()
+    if read_manifest(run_dir, stage, key) is not None:
+        if remote_manifest(store, stage, key) is None:
+            sent = push_artifact(store, run_dir, stage, key)
+            log(f"  pushed {stage} ({key}, {sent / 2**20:.1f} MiB) to {store.uri}, which lacked it, "
+                f"in {time.time() - t0:.1f}s")
+        return
+    if not pull_artifact(store, run_dir, stage, key):
+        raise UserError(f"stage '{stage}': its artifact {key} vanished from {store.uri} since planning; run again")
+    log(f"  pulled {stage} ({key}) from {store.uri} in {time.time() - t0:.1f}s")
+
+
+def check(store: ObjectStore | None) -> None:
+    """Fail before any work when the bucket cannot be written and read back (credentials, endpoint, name)."""
+    problem = probe(store) if store is not None else ""
+    if problem:
+        raise UserError(f"storage.uri {store.uri}: cannot write and read back an object ({problem}); check that the "
+                        "bucket exists, the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and "
+                        "storage.endpoint_url")
+
+
 # --------------------------------------------------------------------------- worker side
 
 
-def activate(store: ObjectStore | None, run_dir: Path) -> dict[str, str]:
-    """Tell this process and the Ray workers it starts about the store; the env vars to ship to a cluster."""
+def activate(store: ObjectStore | None, run_dir: Path) -> None:
+    """Tell this process and the Ray workers it starts about the store (None: no store)."""
     if store is None:
         os.environ.pop(ENV, None)
-        return {}
-    os.environ[ENV] = store.to_env(run_dir)
-    return {ENV: os.environ[ENV]}
+    else:
+        os.environ[ENV] = store.to_env(run_dir)
 
 
 def worker_env() -> dict[str, str]:
@@ -340,27 +372,15 @@ def pull_path(path: str | Path) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.pull.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        listing = store.files(rel)
-        data = None if listing else store.read_bytes(rel)  # a directory, or a file (or nothing)
-        if data is not None:
-            if not path.is_file() or path.read_bytes() != data:
-                tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, path)
-                return len(data)
+        if store.files(rel):  # a directory
+            return store.download_dir(rel, path, skip_same_size=True)
+        data = store.read_bytes(rel)  # a file (or nothing)
+        if data is None or (path.is_file() and path.read_bytes() == data):
             return 0
-        got = 0
-        for name, size in listing.items():
-            dest = path / name
-            if dest.is_file() and dest.stat().st_size == size:
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-            with store.fs.open_input_stream(store.path(f"{rel}/{name}")) as src, tmp.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(tmp, dest)
-            got += size
-        return got
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return len(data)
 
 
 def drop_path(path: str | Path) -> None:
