@@ -42,7 +42,7 @@ def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -
 
         _check_reachable(address)
         runtime_env = None if JOB_DRIVER_ENV in os.environ else {
-            "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES, "env_vars": storage.worker_env()}
+            "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES}
         try:
             ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -71,7 +71,6 @@ def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -
             object_store_memory=int(gib * 2**30) if gib else None,
             # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
             include_dashboard=True,
-            runtime_env={"env_vars": storage.worker_env()},
         )
     return True
 

@@ -86,14 +86,6 @@ def stage_package(cfg, config_name: str, dest: Path) -> Path:
     return dest
 
 
-def storage_env(cfg) -> dict[str, str]:
-    """The `PIPELINE_STORAGE` variable for the run's workers, when the config has a store."""
-    from pipeline import storage
-
-    store = storage.from_config(cfg)
-    return {storage.ENV: store.to_env(cfg.run_dir)} if store else {}
-
-
 def submit(cfg, config_path: Path, address: str | None, selection: dict, console) -> str:
     """Submit the run as a Ray Job; return its submission id."""
     from pipeline.runner import git_version
@@ -107,9 +99,7 @@ def submit(cfg, config_path: Path, address: str | None, selection: dict, console
         jobs.submit_job(
             entrypoint=entrypoint,
             submission_id=job_id,
-            # The store (if any) reaches every worker of the job, as `ensure_ray` ships it outside a job.
-            runtime_env={"working_dir": str(package), "env_vars": {"PIPELINE_CODE_VERSION": git_version(),
-                                                                    **storage_env(cfg)}},
+            runtime_env={"working_dir": str(package), "env_vars": {"PIPELINE_CODE_VERSION": git_version()}},
             metadata={"config": str(config_path), "run_dir": str(cfg.run_dir), "code_version": git_version()},
         )
     console.print(f"submitted [bold]{job_id}[/] to {dashboard_address(address)}: {entrypoint}")

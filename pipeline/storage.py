@@ -15,8 +15,9 @@ record and `run_dir` becomes each machine's working copy:
   worker process opening a model directory calls `localize`, which pulls the artifact holding it
   when this node has no copy.
 
-Workers learn the store from the `PIPELINE_STORAGE` environment variable, which the driver sets
-(`activate`) before Ray starts and ships in the runtime environment when it joins a cluster.
+Workers learn the store from the `PIPELINE_STORAGE` environment variable: the driver sets it
+(`activate`) and gives it to every actor the stages start (`worker_env`); Ray Data and Ray Train
+get the bucket's filesystem object itself (`target`).
 
 We use pyarrow's `S3FileSystem` rather than boto3: pyarrow is already what Ray Data and Ray
 Train use for `s3://`, and it speaks to any S3-compatible endpoint (`endpoint_url`: MinIO, Ceph,
