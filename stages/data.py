@@ -4,14 +4,16 @@ Built on Ray Data, reading top to bottom:
 
     read (jsonl / parquet / csv, or the generated task set)
       -> validate each row (`on_bad_rows: drop | fail`; a bad file is named with its line)
-      -> deduplicate -> split train/eval by a seeded hash of the prompt
+      -> deduplicate -> split train/eval by a seeded hash of the row's group (default: its prompt)
       -> chat template + tokenize (`map_batches` on an actor pool) + truncate to `max_len`
          + loss mask (1 on assistant tokens only) [+ pack SFT rows]
       -> Parquet: <out>/sft/{train,eval}, <out>/preference/{train,eval}, <out>/prompts/{train,eval}
 
-The split is a pure function of (seed, prompt), not a random permutation: it needs no global
+The split is a pure function of (seed, group), not a random permutation: it needs no global
 shuffle, is the same on every rerun, and a prompt that is held out is held out in *every* dataset
 (SFT eval prompts never appear in preference or RL training), which keeps later accuracy honest.
+A row's group is its optional `group` field, else its prompt: the generated task sets it to the
+problem itself (`7 + 35`), so a held-out problem is held out in every wording.
 
 Run alone: `python -m pipeline run configs/full.yaml --only data` (after the `model` stage).
 """
@@ -91,6 +93,17 @@ def split_of(key: str, seed: int, eval_fraction: float) -> str:
     return "eval" if int.from_bytes(digest, "big") / 2**64 < eval_fraction else "train"
 
 
+def shuffle_key(payload: str, seed: int) -> str:
+    """A seeded hash of a row: sorting by it puts the rows in a pseudo-random, reproducible order.
+
+    The dedupe step groups rows by (kind, shuffle_key, payload), and Ray Data's groupby sorts by
+    its keys; grouped by the payload alone, the written datasets came out sorted by prompt, so
+    every training batch held near-identical problems (one sort-ordered sweep per epoch), which
+    kept SFT and the reward model far from what the same data teaches when shuffled.
+    """
+    return hashlib.blake2b(f"order\x00{seed}\x00{payload}".encode(), digest_size=8).hexdigest()
+
+
 def render_with_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """Chat-template text of a conversation and the character spans of its assistant replies.
 
@@ -152,17 +165,19 @@ TOKEN_COLUMN = {"sft": "input_ids", "preference": "chosen_input_ids", "prompts":
 
 
 def _validate_batch(batch, kind: str, source: str, seed: int, eval_fraction: float):
-    """Raw rows -> one uniform schema (kind, key, split, payload JSON, error, source)."""
+    """Raw rows -> one uniform schema (kind, key, split, order, payload JSON, error, source)."""
     import pyarrow as pa
 
-    out: dict[str, list] = {"kind": [], "key": [], "split": [], "payload": [], "error": [], "source": []}
+    out: dict[str, list] = {"kind": [], "key": [], "split": [], "order": [], "payload": [], "error": [], "source": []}
     for row in batch.to_pylist():
         good, error = check_row(kind, row)
         key = good["key"] if good else ""
+        payload = json.dumps(good, sort_keys=True) if good else ""
         out["kind"].append(kind)
         out["key"].append(key)
-        out["split"].append(split_of(key, seed, eval_fraction) if good else "")
-        out["payload"].append(json.dumps(good, sort_keys=True) if good else "")
+        out["split"].append(split_of(good["group"], seed, eval_fraction) if good else "")
+        out["order"].append(shuffle_key(payload, seed))
+        out["payload"].append(payload)
         out["error"].append(error)
         out["source"].append(source)
     return pa.table(out)
@@ -398,7 +413,8 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
     n_good = sum(valid.values())
     if cfg.dedupe:
         # An explicit, small partition count: the default (200) costs seconds of shuffle set-up.
-        good = good.groupby(["kind", "payload"], num_partitions=max(2, cfg.tokenizer_actors))
+        # Grouping by the seeded `order` hash first shuffles the rows as a side effect of the sort.
+        good = good.groupby(["kind", "order", "payload"], num_partitions=max(2, cfg.tokenizer_actors))
         good = good.map_groups(_first_row, batch_format="pyarrow")
     ctx.progress(f"tokenizing {n_good} valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
     from ray.data import ActorPoolStrategy

@@ -52,6 +52,9 @@ from stages.common.deepspeed import DeepSpeedSection
 # --------------------------------------------------------------------------- config
 
 
+GROUPED = ("grpo", "rloo", "dr_grpo")  # baselines from the other samples of the same prompt
+
+
 class TrainedRole(Section):
     """A trainable role (policy, critic): its ranks, optimizer and DeepSpeed settings."""
 
@@ -100,6 +103,16 @@ class KLConfig(Section):
     horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in sequences.")
 
 
+class TISConfig(Section):
+    """Truncated importance sampling: correct for the rollout engine sampling from a slightly
+    different distribution than the trainer computes (kernels, precision)."""
+
+    enabled: bool = Field(False, description="Weight each token's policy loss by min(pi_trainer / pi_rollout, cap). "
+                          "Off by default: with fp32 weights on CPU the engines match the trainer (the "
+                          "logprob_mismatch metrics stay ~1e-6), so the weights are all ~1.")
+    cap: float = Field(2.0, gt=0, description="Truncation of the importance weight (bounds its variance).")
+
+
 class RewardMix(Section):
     """What a response scores: reward model and rule reward, mixed by weight."""
 
@@ -125,7 +138,10 @@ class RewardMix(Section):
 class PPOConfig(Section):
     """The ppo stage: algorithm, rollouts, roles and schedule."""
 
-    algorithm: Literal["ppo", "grpo"] = Field("ppo", description="'ppo' (critic + GAE) or 'grpo' (group-relative, no critic).")
+    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp", "dr_grpo"] = Field(
+        "ppo", description="'ppo' (critic + GAE); critic-free: 'grpo' (group-normalised), 'rloo' (leave-one-out "
+        "baseline), 'reinforce_pp' (REINFORCE++: batch-whitened returns, KL in the reward), 'dr_grpo' (no std or "
+        "length normalisation).")
     iterations: int = Field(20, ge=1, description="Rollout + update iterations.")
     prompts_per_iteration: int = Field(32, ge=1, description="Prompts sampled per iteration (x sampling.n rollouts).")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's rollouts.")
@@ -137,6 +153,10 @@ class PPOConfig(Section):
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (empty: no value clipping).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 per batch (PPO).")
+    critic_zero_init: bool = Field(True, description="Start the critic's value head at zero (its backbone from the "
+                                   "reward model). The reward model's head outputs Bradley-Terry logits, several units "
+                                   "off the 0-1 scale of the rewards; such values swamp the first advantages.")
+    tis: TISConfig = Field(default_factory=TISConfig, description="Truncated importance-sampling correction.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the reference.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="vLLM rollout engines.")
@@ -148,7 +168,10 @@ class PPOConfig(Section):
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of each role's ranks.")
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint policy and critic every N iterations (and at the end).")
-    eval_prompts: int = Field(200, ge=0, description="Held-out prompts scored before and after PPO (0: skip).")
+    eval_prompts: int | None = Field(None, ge=0, description="Held-out prompts scored before and after PPO "
+                                     "(empty: every held-out prompt; 0: skip).")
+    log_samples: int = Field(4, ge=0, description="Sampled completions (with prompt, answer and reward) attached to "
+                             "the MLflow run every iteration as samples/iter_NNNN.json (0: none).")
     eval_samples: int = Field(8, ge=0, description="Besides the greedy answer, sample this many responses per held-out "
                               "prompt (rollout sampling, fixed seed) and compare their mean scores too (0: greedy only).")
     use_tuned: bool = Field(False, description="Use the best values of the tune stage's sweep over ppo (needs "
@@ -157,8 +180,8 @@ class PPOConfig(Section):
     @model_validator(mode="after")
     def _batches_fit(self) -> "PPOConfig":
         n, rollouts = self.sampling.n, self.prompts_per_iteration * self.sampling.n
-        if self.algorithm == "grpo" and n < 2:
-            raise ValueError("sampling.n: GRPO compares samples of the same prompt and needs n >= 2 "
+        if self.algorithm in GROUPED and n < 2:
+            raise ValueError(f"sampling.n: {self.algorithm} compares samples of the same prompt and needs n >= 2 "
                              f"(got {n}); set sampling.n: 4, or algorithm: ppo")
         if rollouts % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide prompts_per_iteration x "
@@ -207,6 +230,44 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int
             "response_ids": ids[:, p:], "response_mask": attn[:, p:].float()}
 
 
+def pad_rows(rows: list[list[float]], width: int):
+    """Ragged per-token values (e.g. the engines' log-probs) -> (B, width) float tensor, 0-padded."""
+    import torch
+
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def advantages(cfg: "PPOConfig", scores, kl, mask, kl_coef: float, values=None):
+    """(advantages (B, T), returns (B, T) or None, coefficient of the KL term in the policy loss).
+
+    PPO and REINFORCE++ pay the KL to the reference per token inside the reward; the group
+    estimators (GRPO, RLOO, Dr. GRPO) score whole responses against their prompt's other
+    samples and pay the KL as a loss term instead, as their papers do.
+    """
+    from stages.common import rl
+
+    if cfg.algorithm == "ppo":
+        adv, returns = rl.gae(rl.token_rewards(scores, kl, mask, kl_coef), values, mask, cfg.gamma, cfg.lam)
+        return (rl.masked_whiten(adv, mask) if cfg.whiten_advantages else adv), returns, 0.0
+    if cfg.algorithm == "reinforce_pp":
+        return rl.reinforce_pp_advantages(rl.token_rewards(scores, kl, mask, kl_coef), mask, cfg.gamma), None, 0.0
+    per_response = {"grpo": rl.grpo_advantages, "rloo": rl.rloo_advantages,
+                    "dr_grpo": rl.dr_grpo_advantages}[cfg.algorithm](scores, cfg.sampling.n)
+    return per_response[:, None] * mask, None, kl_coef
+
+
+def slope(values: list[float]) -> float:
+    """Least-squares slope of a series against its index (the trend of the reward per iteration)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, sum(values) / n
+    return sum((i - mx) * (v - my) for i, v in enumerate(values)) / sum((i - mx) ** 2 for i in range(n))
+
+
 def sign_test_p(improved: int, worsened: int) -> float:
     """Two-sided exact sign test: how likely this split of changed answers is under 'no effect'."""
     n = improved + worsened
@@ -248,6 +309,12 @@ def rule_reward(spec: str):
     return fn
 
 
+def _samples(rows: list[dict], texts: list[str], scores: list[float], correct: list[float], k: int, n: int) -> list:
+    """The first sample of the first `k` prompts of an iteration, for a person to read in MLflow."""
+    return [{"prompt": rows[i]["prompt"], "answer": rows[i].get("answer"), "response": texts[i],
+             "reward": round(scores[i], 4), "rule_reward": correct[i]} for i in range(0, min(k * n, len(rows)), n)]
+
+
 def _read_prompts(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
@@ -285,6 +352,7 @@ def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, tra
     group = ModelGroup(name, PPOWorker, role.num_ranks, 1, gpu, cfg.placement_strategy, env=device_env(gpu))
     spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
             "seed": seed, "activation_checkpointing": role.deepspeed.activation_checkpointing,
+            "zero_head": kind == "value" and cfg.critic_zero_init,
             "ds_config": _ds_config(role, cfg.mini_batch_size, cfg.micro_batch_size, use_bf16(role.deepspeed, gpu),
                                     trainable)}
     return group, group.run("setup", spec)
@@ -459,8 +527,10 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
         fault_after = int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0"))
         micro, n = cfg.micro_batch_size, cfg.sampling.n
         hp = {"epochs": cfg.ppo_epochs, "micro": micro, "clip_eps": cfg.clip_eps, "entropy_coef": cfg.entropy_coef,
-              "value_clip": cfg.value_clip, "kl_loss_coef": 0.0}
+              "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
+              "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.sampling.max_new_tokens}
         metrics: dict[str, float] = {}
+        trend = state.get("trend", {"reward": [], "kl": []}) if latest else {"reward": [], "kl": []}
         for it in range(start, cfg.iterations):
             t_iter = time.time()
             # 1. sample prompts (seeded per iteration, so a resumed run sees the same ones)
@@ -471,11 +541,12 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
                 pool.kill(0)
             t0 = time.time()
             sampling = {"n": n, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
-                        "max_tokens": cfg.sampling.max_new_tokens,
+                        "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0,  # the sampled tokens' log-probs
                         # vLLM seeds sample i of a request with seed + i: draw far-apart seeds per iteration
                         "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
             samples = _generate(pool, policy, [r["prompt_ids"] for r in rows[::n]], sampling, ctx.progress)
             responses = [s["ids"] for group in samples for s in group]
+            rollout_lp = [s["logprobs"] for group in samples for s in group]
             t_gen = time.time() - t0
             # 3. score: reward model and/or rule reward
             t0 = time.time()
@@ -488,17 +559,17 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
             old_lp = torch.cat(ray.get(policy.run_each("logprobs", shards, micro=micro)))
             mask, score_t = batch["response_mask"], torch.tensor(scores)
             kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)
+            # the engines sampled these tokens; how far their log-probs are from the trainer's (same weights)
+            rollout_lp = pad_rows(rollout_lp, mask.shape[1])
+            mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask)
+            if cfg.tis.enabled:
+                batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
             # 5. advantages
+            values = torch.cat(ray.get(critic.run_each("values", shard_batch(batch, len(critic)), micro=micro))) \
+                if ppo else None
+            adv, returns, hp["kl_loss_coef"] = advantages(cfg, score_t, kl, mask, kl_ctl.value, values)
             if ppo:
-                values = torch.cat(ray.get(critic.run_each("values", shard_batch(batch, len(critic)), micro=micro)))
-                token_r = rl.token_rewards(score_t, kl, mask, kl_ctl.value)
-                adv, returns = rl.gae(token_r, values, mask, cfg.gamma, cfg.lam)
-                if cfg.whiten_advantages:
-                    adv = rl.masked_whiten(adv, mask)
                 batch.update(old_values=values, returns=returns)
-            else:
-                adv = rl.grpo_advantages(score_t, n)[:, None] * mask
-                hp["kl_loss_coef"] = kl_ctl.value
             batch.update(advantages=adv, old_logprobs=old_lp, ref_logprobs=ref_lp)
             t_score = time.time() - t0
             # 6. PPO epochs: policy and critic train concurrently, each on its data-parallel shares
@@ -522,15 +593,19 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
                 **{k: v for k, v in stats.items()}, "generate_s": t_gen, "score_s": t_score, "train_s": t_train,
                 "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20,
                 "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9), "iteration_s": time.time() - t_iter,
-                "engine_restarts": pool.restarts,
+                "engine_restarts": pool.restarts, **mismatch,
             }
             ctx.log_metrics(metrics, step=it + 1)
+            trend["reward"].append(metrics["reward_mean"])
+            trend["kl"].append(seq_kl)
+            if cfg.log_samples:
+                ctx.log_dict(_samples(rows, texts, scores, rule_scores, cfg.log_samples, n), f"samples/iter_{it + 1:04d}.json")
             ctx.progress(f"iter {it + 1}/{cfg.iterations} reward {metrics['reward_mean']:.3f} "
                          f"rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} len {metrics['response_length']:.1f} "
                          f"| gen {t_gen:.1f}s score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s")
             # 9. checkpoint
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
-                _save(ctx.checkpoint_dir, it, trained, {"iteration": it, "kl_coef": kl_ctl.value})
+                _save(ctx.checkpoint_dir, it, trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend})
                 if fault_after and it + 1 >= fault_after > start:
                     raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
 
@@ -539,6 +614,8 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
         storage.pull_path(out)  # with an object store: rank 0 may have written it on another node
         tok.save_pretrained(out)
         final = dict(metrics)
+        if trend["reward"]:  # the run's learning curve in two numbers (over every iteration, resumed ones too)
+            final.update(reward_slope=slope(trend["reward"]), kl_max=max(trend["kl"]))
         if before is not None:
             final.update(eval_prompts=len(eval_rows), **compare(before, _evaluate(pool, eval_rows, tok, reward, cfg, rule)))
             for key in before:

@@ -58,6 +58,17 @@ def test_generated_task_data(ray_local, run_dir, tracking_uri):
         train |= {r["prompt"] for r in read(outputs[name] / "train")}
         evals |= {r["prompt"] for r in read(outputs[name] / "eval")}
     assert evals and train and not (train & evals)
+    # ... nor a problem: the generated rows' `group` (the problem, in any wording) decides the split.
+    group = {r["messages"][0]["content"]: r["group"] for r in tasks.sft_rows(200, cfg.seed, cfg.task)}
+    group |= {r["prompt"]: r["group"] for r in tasks.preference_rows(100, cfg.seed, cfg.task)}
+    group |= {r["prompt"]: r["group"] for r in tasks.prompt_rows(60, cfg.seed, cfg.task)}
+    assert not ({group[p] for p in train} & {group[p] for p in evals})
+
+    # Rows are written in a seeded shuffled order, not sorted by prompt (sorted batches of near-identical
+    # problems kept SFT from learning): about half of the neighbouring pairs are in sorted order.
+    order = [r["prompt"] for r in read(outputs["sft_data"] / "train")]
+    in_order = sum(a <= b for a, b in zip(order, order[1:])) / (len(order) - 1)
+    assert 0.25 < in_order < 0.75, in_order
 
     # Row accounting: every generated row is written, a duplicate or dropped, and counted.
     assert m["sft_train_rows"] + m["sft_eval_rows"] + m["sft_rows_duplicate"] + m["sft_rows_too_long"] == 200

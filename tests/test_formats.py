@@ -61,3 +61,9 @@ def test_type_changes_between_lines_are_located_for_read_errors(tmp_path):
 def test_conversations_must_start_with_the_user():
     msgs = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
     assert "must start with a user message" in check_row("sft", {"messages": msgs})[1]
+
+
+def test_group_decides_the_split_key():
+    assert check_row("prompts", {"prompt": "What is 2 + 3?", "group": "2 + 3"})[0]["group"] == "2 + 3"
+    assert check_row("sft", {"prompt": "hi", "response": "hello"})[0]["group"] == "hi"  # default: the prompt
+    assert check_row("preference", {"prompt": "p", "chosen": "a", "rejected": "b", "group": 7})[0]["group"] == "7"

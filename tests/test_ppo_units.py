@@ -12,7 +12,7 @@ from pipeline.errors import ConfigError, UserError
     "overrides, expected",
     [
         (["stages.ppo.algorithm=grpo", "stages.ppo.sampling.n=1"],
-         "sampling.n: GRPO compares samples of the same prompt and needs n >= 2"),
+         "sampling.n: grpo compares samples of the same prompt and needs n >= 2"),
         (["stages.ppo.prompts_per_iteration=5", "stages.ppo.sampling.n=3", "stages.ppo.mini_batch_size=4"],
          "mini_batch_size (4) must divide prompts_per_iteration x sampling.n (5 x 3 = 15)"),
         (["stages.ppo.policy.num_ranks=3"], "must be a multiple of micro_batch_size x policy.num_ranks"),
@@ -91,3 +91,36 @@ def test_shard_batch_keeps_every_row_in_order():
     parts = shard_batch(batch, 3)
     assert [p["input_ids"].flatten().tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
     assert all(p["prompt_width"] == 1 for p in parts)
+
+
+def test_advantages_dispatch_per_algorithm():
+    import torch
+
+    from stages.ppo import PPOConfig, advantages
+
+    scores, mask = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    kl = torch.zeros(4, 2)
+
+    def run(alg):
+        cfg = PPOConfig(algorithm=alg, sampling={"n": 2}, prompts_per_iteration=2, mini_batch_size=4, micro_batch_size=2,
+                        policy={"num_ranks": 1})
+        return advantages(cfg, scores, kl, mask, 0.1, values=torch.zeros(4, 2))
+
+    adv, returns, kl_loss = run("rloo")  # groups [1, 0] and [0, 0]: leave-one-out -> 1, -1, 0, 0 on every real token
+    assert torch.equal(adv, torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]))
+    assert returns is None and kl_loss == 0.1  # the group estimators pay the KL in the loss
+    adv, _, _ = run("dr_grpo")  # minus the group mean 0.5 -> 0.5, -0.5
+    assert torch.equal(adv[:2], torch.tensor([[0.5, 0.5], [-0.5, 0.0]]))
+    adv, returns, kl_loss = run("reinforce_pp")  # KL in the reward: nothing in the loss
+    assert returns is None and kl_loss == 0.0 and adv[0, 0] > 0 > adv[1, 0]
+    adv, returns, kl_loss = run("ppo")
+    # lambda-returns of the score with V = 0 and the default lam 0.95: 0.95 x 1, then 1
+    assert kl_loss == 0.0 and torch.allclose(returns[0], torch.tensor([0.95, 1.0]))
+
+
+def test_slope_and_pad_rows():
+    from stages.ppo import pad_rows, slope
+
+    assert slope([0.0, 1.0, 2.0]) == 1.0 and slope([0.5, 0.5, 0.5]) == 0.0 and slope([1.0]) == 0.0
+    assert slope([0.2, 0.1, 0.4, 0.3]) == pytest.approx(0.06)  # least squares: sum((i-1.5)(y-0.25)) / 5
+    assert pad_rows([[1.0], [2.0, 3.0]], 3).tolist() == [[1.0, 0.0, 0.0], [2.0, 3.0, 0.0]]

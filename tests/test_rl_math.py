@@ -246,3 +246,66 @@ def test_kl_controller_rejects_bad_kinds_and_settings():
         rl.kl_controller("pid", 0.1, 6.0, 10000)
     with pytest.raises(ValueError, match="target > 0"):
         rl.kl_controller("adaptive", 0.1, None, 10000)
+
+
+# --------------------------------------------------------------------------- critic-free estimators
+
+
+def test_rloo_leave_one_out_baseline():
+    # group [3, 1, 2]: baselines (1+2)/2 = 1.5, (3+2)/2 = 2.5, (3+1)/2 = 2 -> 1.5, -1.5, 0
+    # group [1, 0, 0]: baselines 0, 0.5, 0.5 -> 1, -0.5, -0.5
+    close(rl.rloo_advantages(torch.tensor([3.0, 1.0, 2.0, 1.0, 0.0, 0.0]), 3), [1.5, -1.5, 0.0, 1.0, -0.5, -0.5])
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        rl.rloo_advantages(torch.tensor([1.0, 0.0]), 1)  # one sample has no "others"
+
+
+def test_dr_grpo_subtracts_the_group_mean_without_std():
+    # group [1, 0, 0]: mean 1/3 -> 2/3, -1/3, -1/3 (GRPO would divide by std 0.4714: 1.414, -0.707, -0.707)
+    close(rl.dr_grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 5.0, 5.0, 5.0]), 3), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
+    with pytest.raises(ValueError, match="divisible"):
+        rl.dr_grpo_advantages(torch.tensor([1.0, 0.0, 0.0]), 2)
+
+
+def test_reinforce_pp_returns_whitened_over_the_batch():
+    # rewards [[0, 1], [0, pad 9]]: returns (gamma 1) [[1, 1], [0, -]]
+    # real tokens 1, 1, 0: mean 2/3, variance ((1/3)^2 * 2 + (2/3)^2) / 3 = 2/9, std sqrt(2)/3
+    # -> (1/3) / (sqrt(2)/3) = 1/sqrt(2) = 0.7071, (-2/3) / (sqrt(2)/3) = -sqrt(2); padding 0
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 9.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    close(rl.reinforce_pp_advantages(rewards, mask), [[0.70711, 0.70711], [-1.41421, 0.0]], tol=1e-4)
+    # gamma 0.5: returns [[0.5, 1], [0]] -> mean 0.5, var (0 + 0.25 + 0.25)/3 = 1/6 -> 0, 1.2247, -1.2247
+    close(rl.reinforce_pp_advantages(rewards, mask, gamma=0.5), [[0.0, 1.22474], [-1.22474, 0.0]], tol=1e-4)
+
+
+def test_tis_weights_are_the_truncated_ratio():
+    trainer = torch.log(torch.tensor([0.5, 0.25, 0.3]))
+    rollout = torch.log(torch.tensor([0.25, 0.5, 0.3]))
+    # ratios 0.5/0.25 = 2 (capped at 1.5), 0.25/0.5 = 0.5, 1
+    close(rl.tis_weights(trainer, rollout, cap=1.5), [1.5, 0.5, 1.0])
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        rl.tis_weights(trainer, rollout, cap=0)
+
+
+def test_logprob_mismatch_ignores_padding():
+    trainer = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]])
+    rollout = torch.tensor([[-1.1, -1.7], [-0.5, 0.0]])  # |diff| 0.1, 0.3, 0, and 9 on padding
+    got = rl.logprob_mismatch(trainer, rollout, torch.tensor([[1, 1], [1, 0]]))
+    assert got["logprob_mismatch_mean"] == pytest.approx(0.4 / 3)
+    assert got["logprob_mismatch_max"] == pytest.approx(0.3)
+
+
+def test_aggregate_token_mean_and_dr_grpo_seq_sum():
+    per_token = torch.tensor([[1.0, 2.0], [3.0, 9.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    close(rl.aggregate(per_token, mask, "token_mean"), 2.0)  # (1 + 2 + 3) / 3
+    close(rl.aggregate(per_token, mask, "seq_sum", max_len=4), 0.75)  # (1 + 2 + 3) / (2 rows x 4)
+    with pytest.raises(ValueError, match="needs max_len"):
+        rl.aggregate(per_token, mask, "seq_sum")
+
+
+def test_policy_loss_with_tis_weights():
+    # ratio 1 (logp == old), advantage 1 -> per-token term -1; weights 0.5 and 2 -> mean of -0.5, -2 = -1.25
+    logp = torch.tensor([[-1.0, -1.0]])
+    loss, _ = rl.policy_loss(logp, logp.clone(), torch.ones(1, 2), torch.ones(1, 2), 0.2,
+                             weights=torch.tensor([[0.5, 2.0]]))
+    close(loss, -1.25)

@@ -52,6 +52,27 @@ def _hf_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     return out
 
 
+def _logprob_mismatch(engine, model, prompts: list[list[int]]) -> dict[str, float]:
+    """Sample at T=1 with the sampled tokens' log-probs, score the same tokens with the HF model."""
+    import ray
+    import torch
+
+    from stages.common import rl
+    from stages.ppo import make_batch, pad_rows
+
+    samples = ray.get(engine.generate.remote(prompts, {"n": 2, "temperature": 1.0, "max_tokens": 8, "seed": 7,
+                                                       "logprobs": 0}))
+    flat = [s for group in samples for s in group]
+    batch = make_batch([p for p in prompts for _ in range(2)], [s["ids"] for s in flat], pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits
+    p = batch["prompt_width"]
+    trainer = rl.logprobs_from_logits(logits[:, p - 1 : -1], batch["response_ids"])
+    engine_lp = pad_rows([s["logprobs"] for s in flat], trainer.shape[1])
+    return rl.logprob_mismatch(trainer, engine_lp, batch["response_mask"])
+
+
 def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, model_dir):
     import ray
     import torch
@@ -83,6 +104,14 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
         assert seconds > 0
         assert after[0] == expected and after[1] == expected  # every engine generates with the new weights
         assert after[0] != before[0]  # and not with the old ones
+
+        # The engines' log-probs of the tokens they sample equal the trainer's under the same (synced,
+        # fp32) weights: the mismatch the ppo stage logs every iteration is ~0, and grows with a stale engine.
+        mismatch, stale = _logprob_mismatch(pool.engines[0], model, prompts), None
+        assert mismatch["logprob_mismatch_max"] < 1e-3, mismatch
+        assert mismatch["logprob_mismatch_mean"] < 1e-4, mismatch
+        stale = _logprob_mismatch(pool.engines[0], AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts)
+        assert stale["logprob_mismatch_mean"] > 100 * max(mismatch["logprob_mismatch_mean"], 1e-6), (stale, mismatch)
 
         # An engine dies: revive() restarts it and brings it to the synced weights, not the checkpoint's.
         pool.kill(0)

@@ -54,3 +54,16 @@ def test_verifier():
     assert verify("so the answer is 1,024", "1024")
     assert not verify("12 + 30 = 43", "42")
     assert not verify("", "0")
+
+
+def test_three_operands_show_each_step_and_prompts_are_distinct_problems():
+    cfg = TaskConfig(min_digits=1, max_digits=1, ops=["+", "-"], operands=3)
+    for row in tasks.sft_rows(200, 0, cfg):
+        a, op1, b, op2, c = row["group"].split()
+        first = int(a) + int(b) if op1 == "+" else int(a) - int(b)
+        final = first + int(c) if op2 == "+" else first - int(c)
+        assert row["messages"][1]["content"] == f"{first} {op2} {c} = {final}"  # e.g. 3 + 5 - 7 -> "8 - 7 = 1"
+    rows = tasks.prompt_rows(5000, 0, cfg)
+    assert len(rows) == len({r["group"] for r in rows}) == 4000  # 10 x 10 x 10 x 2 x 2 problems, each once
+    pref = tasks.preference_rows(100, 0, cfg)
+    assert all(r["chosen"].rsplit("=", 1)[0] == r["rejected"].rsplit("=", 1)[0] for r in pref)

@@ -77,23 +77,34 @@ def _messages(row: dict) -> list[dict]:
 
 
 def check_row(kind: str, row: dict[str, Any]) -> tuple[dict | None, str]:
-    """Validate one raw row: (canonical row, "") if good, else (None, reason)."""
+    """Validate one raw row: (canonical row, "") if good, else (None, reason).
+
+    The canonical row's `group` decides its train/eval split: the row's optional `group` field, or
+    else its prompt. Rows that share a group (one problem asked in several wordings) land in the
+    same split, so a held-out problem is never trained on under another phrasing.
+    """
     try:
-        if kind == "sft":
-            messages = _messages(row)
-            key = next((m["content"] for m in messages if m["role"] == "user"), messages[0]["content"])
-            return {"key": key, "messages": messages}, ""
-        if kind == "preference":
-            prompt, chosen, rejected = _text(row, "prompt"), _text(row, "chosen"), _text(row, "rejected")
-            if chosen == rejected:
-                raise ValueError("'chosen' and 'rejected' are identical")
-            return {"key": prompt, "prompt": prompt, "chosen": chosen, "rejected": rejected}, ""
-        if kind == "prompts":
-            prompt = _text(row, "prompt")
-            return {"key": prompt, "prompt": prompt, "answer": _text(row, "answer", required=False)}, ""
-        raise ValueError(f"unknown row kind {kind!r}")
+        good = _canonical(kind, row)
+        good["group"] = _text(row, "group", required=False) or good["key"]
+        return good, ""
     except ValueError as exc:
         return None, str(exc)
+
+
+def _canonical(kind: str, row: dict[str, Any]) -> dict:
+    if kind == "sft":
+        messages = _messages(row)
+        key = next((m["content"] for m in messages if m["role"] == "user"), messages[0]["content"])
+        return {"key": key, "messages": messages}
+    if kind == "preference":
+        prompt, chosen, rejected = _text(row, "prompt"), _text(row, "chosen"), _text(row, "rejected")
+        if chosen == rejected:
+            raise ValueError("'chosen' and 'rejected' are identical")
+        return {"key": prompt, "prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if kind == "prompts":
+        prompt = _text(row, "prompt")
+        return {"key": prompt, "prompt": prompt, "answer": _text(row, "answer", required=False)}
+    raise ValueError(f"unknown row kind {kind!r}")
 
 
 def _iter_rows(path: Path):

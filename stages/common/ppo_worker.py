@@ -70,6 +70,8 @@ class PPOWorker(Workhorse):
             model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1,
                                                                        dtype=torch.float32, **SAFE_LOAD)
             model.config.pad_token_id = spec["pad_id"]
+            if spec.get("zero_head"):  # critic: values start at 0, not at the reward model's logit scale
+                torch.nn.init.zeros_(model.score.weight)
         if spec.get("activation_checkpointing"):
             model.gradient_checkpointing_enable()
         if self.kind == "reward":
@@ -165,10 +167,11 @@ class PPOWorker(Workhorse):
             for mb in _micro_batches(batch, hp["micro"], self.generator):
                 mask = mb["response_mask"]
                 logp, entropy = self._logprobs(mb, with_entropy=True)
-                loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps"])
+                loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps"],
+                                      weights=mb.get("tis_weights"), agg=hp["agg"], max_len=hp["max_len"])
                 ent = masked_mean(entropy, mask)
                 loss = loss - hp["entropy_coef"] * ent
-                if hp["kl_loss_coef"]:  # GRPO: KL to the reference in the loss, not in the reward
+                if hp["kl_loss_coef"]:  # group estimators: KL to the reference in the loss, not in the reward
                     loss = loss + hp["kl_loss_coef"] * masked_mean(kl_penalty(logp, mb["ref_logprobs"], "k3"), mask)
                 self.engine.backward(loss)
                 self.engine.step()

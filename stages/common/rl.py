@@ -1,4 +1,5 @@
-"""The pure math of PPO and GRPO: advantages, KL penalties, clipped losses, whitening.
+"""The pure math of PPO and the critic-free estimators (GRPO, RLOO, REINFORCE++, Dr. GRPO):
+advantages, KL penalties, clipped losses, whitening, truncated importance sampling.
 
 Why a module of its own: these few formulas decide whether RL training works, and every bug in
 them is silent (the loss still goes down). Kept as small functions on tensors, with no Ray,
@@ -141,37 +142,123 @@ def grpo_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) ->
     group mean is the baseline, so no value model is needed; a group of equal scores (all right
     or all wrong) gives zeros and teaches nothing, which is the intent.
     """
-    if group_size < 1:
-        raise ValueError(f"group_size must be >= 1, got {group_size}")
-    if scores.dim() != 1 or scores.shape[0] % group_size != 0:
-        raise ValueError(
-            f"scores must be 1-D with a length divisible by group_size={group_size}, got shape "
-            f"{tuple(scores.shape)}; generate group_size samples per prompt"
-        )
-    groups = scores.float().view(-1, group_size)
+    groups = _groups(scores, group_size, minimum=1)
     mean = groups.mean(dim=1, keepdim=True)
     std = groups.std(dim=1, unbiased=False, keepdim=True)
     return ((groups - mean) / (std + eps)).view(-1)
 
 
+def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO's advantage (Ahmadian et al. 2024): each score minus the mean of its group's *other* scores.
+
+    The leave-one-out baseline does not depend on the sample it judges, so the gradient stays
+    unbiased; it equals n/(n-1) x (score - group mean). No std division: the scale is the reward's.
+    """
+    groups = _groups(scores, group_size, minimum=2)
+    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - baseline).view(-1)
+
+
+def dr_grpo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr. GRPO's advantage (Liu et al. 2025, "Understanding R1-Zero-like training"): score - group mean.
+
+    GRPO's division by the group's std up-weights prompts whose samples nearly agree (too easy
+    or too hard); Dr. GRPO drops it, and drops the per-response length normalisation in the loss
+    too (`aggregate(..., "seq_sum")`), so long wrong answers are not penalised less per token.
+    """
+    groups = _groups(scores, group_size, minimum=1)
+    return (groups - groups.mean(dim=1, keepdim=True)).view(-1)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++'s advantage (Hu 2025): per-token returns, whitened over the whole global batch.
+
+    `rewards` are per-token rewards (B, T) with the KL penalty already in them (`token_rewards`);
+    the return G_t = sum_{s>=t} gamma^(s-t) r_s needs no critic, and normalising the returns over
+    every token of the batch (not per prompt, as GRPO does) is the variance reduction.
+    """
+    returns, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)
+    return masked_whiten(returns, mask)
+
+
+def _groups(scores: torch.Tensor, group_size: int, minimum: int) -> torch.Tensor:
+    if group_size < minimum:
+        raise ValueError(f"group_size must be >= {minimum}, got {group_size}")
+    if scores.dim() != 1 or scores.shape[0] % group_size != 0:
+        raise ValueError(
+            f"scores must be 1-D with a length divisible by group_size={group_size}, got shape "
+            f"{tuple(scores.shape)}; generate group_size samples per prompt"
+        )
+    return scores.float().view(-1, group_size)
+
+
+def tis_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weights min(pi_trainer / pi_rollout, cap) per token (no gradient).
+
+    The rollout engine and the trainer compute the same policy with different kernels (and on
+    GPUs, often different precisions), so the tokens were sampled from a slightly different
+    distribution than the one PPO's ratio assumes. Weighting each token's loss by this ratio
+    corrects for it (Yao et al. 2025); truncating at `cap` bounds the variance a rare token with
+    a tiny rollout probability would add.
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    return torch.exp(trainer_logp.detach().float() - rollout_logp.detach().float()).clamp(max=cap)
+
+
+def logprob_mismatch(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |trainer log p - rollout engine log p| of the sampled tokens (real tokens only).
+
+    ~0 when the engine holds exactly the trainer's weights in the same precision; a growing value
+    means the engines sample from another policy than the one being trained (a stale or broken
+    weight sync, or a precision gap worth correcting with `tis_weights`).
+    """
+    diff = (trainer_logp.float() - rollout_logp.float()).abs()
+    kept = torch.where(mask.bool(), diff, torch.zeros_like(diff))
+    return {"logprob_mismatch_mean": masked_mean(diff, mask).item(),
+            "logprob_mismatch_max": kept.max().item() if kept.numel() else 0.0}
+
+
 # --------------------------------------------------------------------------- losses
 
 
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None) -> torch.Tensor:
+    """A per-token loss (B, T) -> scalar.
+
+    "token_mean": mean over every real token of the batch (PPO, GRPO here; as in DAPO).
+    "seq_sum": each response's token sum divided by a constant (B x max_len), Dr. GRPO's
+    unbiased form: no response's tokens weigh more because the response is short.
+    """
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_sum":
+        if not max_len:
+            raise ValueError("seq_sum aggregation needs max_len (the longest response, e.g. max_new_tokens)")
+        kept = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+        return kept.sum() / (per_token.shape[0] * max_len)
+    raise ValueError(f"loss aggregation must be 'token_mean' or 'seq_sum', got {mode!r}")
+
+
 def policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
+    weights: torch.Tensor | None = None, agg: str = "token_mean", max_len: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's clipped surrogate loss (Schulman et al. 2017), averaged over real tokens.
+    """PPO's clipped surrogate loss (Schulman et al. 2017), aggregated over real tokens.
 
     Taking the max of the two negated terms is the pessimistic bound: once the ratio has moved
     more than clip_eps in the direction the advantage rewards, the clipped term wins and its
     gradient is zero, so one batch cannot push the policy far. clip_frac is the share of tokens
     where that happened; approx_kl (k2 between new and old policy) shows how far the step went.
+    `weights` (B, T), e.g. `tis_weights`, scale each token's term; `agg` is `aggregate`'s mode.
     """
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, mask, agg, max_len)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),

@@ -163,15 +163,25 @@ class RolloutEngine:
             distributed_executor_backend="uni", enforce_eager=not spec.gpu,
             gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
             enable_prefix_caching=True,
+            # On CPU, a request split by chunked prefill has its sampled token discarded, and vLLM
+            # then rewinds the request's seeded generator, which a CPU generator cannot do
+            # ("CPU Generator does not use offset"): every seeded batch larger than the token
+            # budget (the held-out evaluation) failed. Whole prompts per step avoid the rewind.
+            enable_chunked_prefill=spec.gpu,
         )
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict) -> list[list[dict]]:
-        """For each prompt, `sampling['n']` samples: [{'ids': [...], 'finished': bool}, ...]."""
+        """For each prompt, `sampling['n']` samples: [{'ids': [...], 'finished': bool}, ...].
+
+        With `sampling['logprobs']` set (0 is enough), each sample also carries `logprobs`: the
+        engine's log-probability of each sampled token, before temperature and top-p (vLLM's
+        default `raw_logprobs`), i.e. what the trainer computes from the same weights.
+        """
         from vllm import SamplingParams
 
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(**sampling),
                                  use_tqdm=False)
-        return [[{"ids": list(c.token_ids), "finished": c.finish_reason == "stop"} for c in o.outputs] for o in outs]
+        return [[_sample(c) for c in o.outputs] for o in outs]
 
     def load_weights(self, weights: dict[str, Any]) -> float:
         """Load the policy's weights (a ref resolved by Ray: zero-copy numpy); returns seconds taken."""
@@ -182,6 +192,13 @@ class RolloutEngine:
 
     def ping(self) -> int:
         return os.getpid()
+
+
+def _sample(completion) -> dict:
+    out = {"ids": list(completion.token_ids), "finished": completion.finish_reason == "stop"}
+    if completion.logprobs is not None:
+        out["logprobs"] = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
+    return out
 
 
 class EnginePool:

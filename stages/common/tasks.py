@@ -29,12 +29,15 @@ PROMPT_TEMPLATES = (
 
 
 class TaskConfig(Section):
-    """The generated task: binary integer arithmetic problems."""
+    """The generated task: integer arithmetic problems, evaluated left to right."""
 
     name: Literal["arithmetic"] = Field("arithmetic", description="Task family; only 'arithmetic' is built in.")
     min_digits: int = Field(1, ge=1, le=9, description="Fewest digits of an operand.")
     max_digits: int = Field(2, ge=1, le=9, description="Most digits of an operand (>= min_digits).")
     ops: list[Op] = Field(["+", "-"], min_length=1, description="Operators to draw from: any of '+', '-', '*'.")
+    operands: int = Field(2, ge=2, le=4, description="Operands per problem, evaluated left to right "
+                          "(`3 + 5 - 7`). With more than 2 the worked answer shows each intermediate result "
+                          "(`8 - 7 = 1`), so every step is one small fact the model can learn.")
 
     @model_validator(mode="after")
     def _digits_ordered(self) -> "TaskConfig":
@@ -51,12 +54,27 @@ def _operand(rng: random.Random, cfg: TaskConfig) -> int:
     return rng.randint(low, 10**digits - 1)
 
 
-def _problem(rng: random.Random, cfg: TaskConfig) -> tuple[str, str, int]:
-    """Draw one problem: (prompt, worked answer text, integer answer)."""
-    a, b, op = _operand(rng, cfg), _operand(rng, cfg), rng.choice(cfg.ops)
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+def _problem(rng: random.Random, cfg: TaskConfig) -> tuple[str, str, int, str]:
+    """Draw one problem: (prompt, worked answer text, integer answer, problem id).
+
+    The problem id (`7 + 35`) is the rows' `group`: the data stage splits train/eval by it, so a
+    held-out problem is held out in every wording and in every dataset.
+    """
+    nums = [_operand(rng, cfg) for _ in range(cfg.operands)]
+    ops = [rng.choice(cfg.ops) for _ in range(cfg.operands - 1)]
+    problem = " ".join([str(nums[0])] + [f"{op} {n}" for op, n in zip(ops, nums[1:])])
+    # The worked answer: each left-to-right reduction (`3 + 5 - 7` -> `8 - 7 = 1`). It does not
+    # restate the problem: the first operand follows a space in the prompt and none in the answer,
+    # so a byte-level BPE model would have to learn to map " 3" to "3", which a tiny model learns
+    # last. Two-operand answers keep the familiar `3 + 5 = 8`.
+    steps, value = [problem], nums[0]
+    for i, (op, n) in enumerate(zip(ops, nums[1:])):
+        value = {"+": value + n, "-": value - n, "*": value * n}[op]
+        steps.append(" ".join([str(value)] + [f"{o} {m}" for o, m in zip(ops[i + 1:], nums[i + 2:])]))
+    a, rest = problem.split(" ", 1)
+    op, b = rest.split(" ", 1)
     prompt = rng.choice(PROMPT_TEMPLATES).format(a=a, op=op, b=b)
-    return prompt, f"{a} {op} {b} = {value}", value
+    return prompt, " = ".join(steps if cfg.operands == 2 else steps[1:]), value, problem
 
 
 def _wrong_value(rng: random.Random, value: int) -> int:
@@ -85,8 +103,9 @@ def sft_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
     rng = random.Random(f"sft-{seed}")
     rows = []
     for _ in range(n):
-        prompt, response, _ = _problem(rng, cfg)
-        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]})
+        prompt, response, _, group = _problem(rng, cfg)
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+                     "group": group})
     return rows
 
 
@@ -95,19 +114,28 @@ def preference_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
     rng = random.Random(f"preference-{seed}")
     rows = []
     for _ in range(n):
-        prompt, response, value = _problem(rng, cfg)
+        prompt, response, value, group = _problem(rng, cfg)
         head = response.rsplit("=", 1)[0]
-        rows.append({"prompt": prompt, "chosen": response, "rejected": f"{head}= {_wrong_value(rng, value)}"})
+        rows.append({"prompt": prompt, "chosen": response, "rejected": f"{head}= {_wrong_value(rng, value)}",
+                     "group": group})
     return rows
 
 
 def prompt_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
-    """`n` RL prompts with their reference answers (checked by `verify`)."""
+    """Up to `n` RL prompts with their reference answers (checked by `verify`), one per distinct problem.
+
+    Distinct problems make every held-out prompt an independent test item (a paired sign test
+    over prompts assumes it); when the task has fewer than `n` problems, fewer rows come back.
+    """
     rng = random.Random(f"prompts-{seed}")
-    rows = []
-    for _ in range(n):
-        prompt, _, value = _problem(rng, cfg)
-        rows.append({"prompt": prompt, "answer": str(value)})
+    rows, seen, misses = [], set(), 0
+    while len(rows) < n and misses < 20 * n:
+        prompt, _, value, group = _problem(rng, cfg)
+        if group in seen:
+            misses += 1
+            continue
+        seen.add(group)
+        rows.append({"prompt": prompt, "answer": str(value), "group": group})
     return rows
 
 
