@@ -69,6 +69,32 @@ def test_ppo_raises_the_reward(ppo_run, tracking_uri):
         assert len(history(tracking_uri, run_id, key)) >= 20, key
 
 
+def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, tracking_uri):
+    from mlflow.tracking import MlflowClient
+
+    manifest, run_id, _ = ppo_run
+    mismatch = history(tracking_uri, run_id, "logprob_mismatch_mean")
+    assert len(mismatch) == 20 and max(mismatch.values()) < 1e-4  # fp32 weights synced every iteration
+    assert manifest["metrics"]["reward_slope"] > 0 and manifest["metrics"]["kl_max"] >= 0
+    client = MlflowClient(tracking_uri)
+    files = {a.path for a in client.list_artifacts(run_id, "samples")}
+    assert {"samples/iter_0001.json", "samples/iter_0020.json"} <= files
+    first = client.download_artifacts(run_id, "samples/iter_0001.json")
+    import json
+
+    rows = json.loads(open(first).read())
+    assert len(rows) == 4 and {"prompt", "answer", "response", "reward"} <= rows[0].keys()
+
+
+def test_grpo_raises_the_reward(ray_local, run_dir, tracking_uri):
+    _, run_id, _ = run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.algorithm=grpo",
+                           "stages.ppo.rewards.model_weight=0", "stages.ppo.iterations=16", "stages.ppo.eval_prompts=0")
+    reward = history(tracking_uri, run_id, "reward_mean")
+    first, last = sum(reward[i] for i in (1, 2, 3, 4)) / 4, sum(reward[i] for i in (13, 14, 15, 16)) / 4
+    assert last > first + 0.1, reward
+    assert not history(tracking_uri, run_id, "value_loss")  # no critic
+
+
 def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     import torch
     from transformers import AutoModelForCausalLM
