@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 EXTRA ?= cpu
 
-.PHONY: setup run test test-fast bench
+.PHONY: setup run test test-fast bench bench-learning
 
 setup:
 	EXTRA=$(EXTRA) bash scripts/setup.sh
@@ -22,3 +22,7 @@ bench: setup
 	$(PY) bench/data_bench.py
 	$(PY) bench/train_bench.py
 	$(PY) bench/rollout_bench.py
+
+# Does RL make the embedded default better? Seeds 0-2, PPO and GRPO: about an hour on 2 cores.
+bench-learning: setup
+	$(PY) bench/learning.py --seeds 0 1 2 --algorithms ppo grpo --fresh --json bench/learning.json

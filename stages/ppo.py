@@ -15,13 +15,17 @@ The driver is one loop, `run()`, reading top to bottom:
 
 After every update the policy's full weights go into the object store once and every engine
 loads them from there (zero-copy on the same node), so rollouts always come from the current
-policy. `algorithm: grpo` drops the critic and uses group-relative advantages over the
-`sampling.n` samples of each prompt, with the KL to the reference in the loss. The math is in
-`stages.common.rl`, tested against hand-computed values.
+policy. The critic-free algorithms drop the critic: `grpo`, `rloo` and `dr_grpo` use baselines
+from the other `sampling.n` samples of each prompt (KL to the reference in the loss),
+`reinforce_pp` whitens per-token returns over the batch (KL in the reward); `advantages()` picks
+the estimator. The engines return the log-probs of the tokens they sample; their gap to the
+trainer's (`logprob_mismatch_*`) is logged every iteration, and `tis` corrects for it. The math
+is in `stages.common.rl`, tested against hand-computed values.
 
-Held-out evaluation: greedy answers of the engines on the eval prompts, before PPO (the SFT
-policy) and after, scored by the same reward; MLflow gets both, and how many prompts changed
-either way (a paired sign test says whether the gain is noise).
+Held-out evaluation: greedy answers of the engines on every eval prompt (and `eval_samples`
+sampled ones, same seed), before PPO (the SFT policy) and after, scored by the same reward;
+MLflow gets both, and how many prompts changed either way (a paired sign test says whether the
+gain is noise). `bench/learning.py` runs this per seed and algorithm.
 
 Run alone: `python -m pipeline run configs/full.yaml --only ppo` (after `sft` and `reward`).
 A rerun after an interruption resumes from the last checkpoint (`checkpoint_every`).
