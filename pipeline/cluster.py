@@ -1,7 +1,7 @@
 """Ray connection: start a local instance for the run, or join a cluster.
 
 Only stages that need Ray call `ensure_ray` (through `ctx.ray()`), so a fully cached rerun never
-starts it. A local instance oversubscribes logical CPUs on purpose (DESIGN.md §2.6): rollout
+starts it. A local instance oversubscribes logical CPUs on purpose (docs/architecture.md, fact 6): rollout
 engines, trainer workers and Serve replicas each reserve a CPU, and on a 2-core machine an exact
 count would leave work waiting forever. On a cluster, Ray's own resources are used as they are.
 

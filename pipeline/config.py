@@ -45,7 +45,7 @@ class RayConfig(Section):
         None,
         ge=1,
         description="Logical CPUs of a local Ray instance. Empty: max(8, 2 x cores), oversubscribed on "
-        "purpose because engines, trainers and Serve replicas each reserve a CPU (DESIGN.md §2.6).",
+        "purpose because engines, trainers and Serve replicas each reserve a CPU (docs/architecture.md, fact 6).",
     )
     object_store_memory_gb: float | None = Field(
         None, gt=0, description="Object store size of a local Ray instance in GiB. Empty: Ray's default."

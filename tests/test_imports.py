@@ -1,4 +1,4 @@
-"""`import pipeline` and `import stages` stay light (DESIGN.md §4.7)."""
+"""`import pipeline` and `import stages` stay light (docs/architecture.md)."""
 
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""PPO/GRPO math against hand-computed values (DESIGN.md §4.5).
+"""PPO/GRPO math against hand-computed values (docs/architecture.md).
 
 Every expected number is worked out in the comments and written as a literal; padded positions
 hold garbage (9, 100, ...) so a function that forgets the mask gets a different answer.

@@ -1,6 +1,6 @@
 """Models and tokenizers: build the embedded default, or load any local HF checkpoint.
 
-No machine of this project reaches a model hub (DESIGN.md §2.11), so the default run *builds* its
+No machine of this project reaches a model hub (docs/architecture.md, fact 11), so the default run *builds* its
 base model: a byte-level BPE tokenizer trained on the task corpus (digits split one per token, a
 ChatML chat template, special tokens) and a tiny randomly initialised LLaMA-architecture causal LM,
 both written with `save_pretrained`. Every later stage loads models with `from_pretrained(path)`

@@ -4,7 +4,7 @@ advantages, KL penalties, clipped losses, whitening, truncated importance sampli
 Why a module of its own: these few formulas decide whether RL training works, and every bug in
 them is silent (the loss still goes down). Kept as small functions on tensors, with no Ray,
 vLLM or DeepSpeed in sight, each one is checked against hand-computed values in
-`tests/test_rl_math.py` (DESIGN.md §4.5), and the PPO stage only wires them together.
+`tests/test_rl_math.py` (docs/architecture.md), and the PPO stage only wires them together.
 
 Conventions: response tensors are (B, T) for B sequences of T response tokens, right-padded;
 `mask` is (B, T), 1 (or True) on real response tokens and 0 on padding. Anything at a masked

@@ -4,7 +4,7 @@
     pool.sync(weights_ref)             # every engine loads the policy's weights from one ray.put
     ray.get(pool.engines[0].generate.remote(prompt_ids, sampling))  # any rank can call any engine
 
-Why these choices (DESIGN.md §2.4, §2.8):
+Why these choices (docs/architecture.md, facts 4 and 8):
 - Each engine runs `LLM(..., distributed_executor_backend="uni")` with
   `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the model lives inside the actor process and weights
   handed to it never cross another process boundary (through the multiprocess executor, tensors

@@ -3,7 +3,7 @@
 Both build the same vLLM engine from the same YAML section (`EngineConfig`), so a model answers a
 batch job exactly as it answers the API. The CPU/GPU split lives here and nowhere else: on a CPU
 machine vLLM reserves `kv_cache_gb` of RAM for its KV cache (`VLLM_CPU_KVCACHE_SPACE`) and its
-`gpu_memory_utilization` is a fraction of *CPU* memory, so it must be small (DESIGN.md §2.3);
+`gpu_memory_utilization` is a fraction of *CPU* memory, so it must be small (docs/architecture.md, fact 3);
 on a GPU the usual 0.9 applies and graphs are captured (no `enforce_eager`).
 """
 

@@ -7,8 +7,7 @@ DeepSpeed state (optimizer, scheduler) plus the position in the data, and saving
 
 Checkpoints: every rank writes its DeepSpeed shard into a local directory and reports it; Ray
 Train merges them into one checkpoint under `storage_path/name`. A rerun with the same
-`RunConfig(name, storage_path)` (the stage's cache key) resumes from the latest one (DESIGN.md
-§2.9), so an interrupted stage continues where it stopped instead of starting over.
+`RunConfig(name, storage_path)` (the stage's cache key) resumes from the latest one (docs/architecture.md, fact 9), so an interrupted stage continues where it stopped instead of starting over.
 """
 
 from __future__ import annotations

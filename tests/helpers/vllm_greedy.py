@@ -3,7 +3,7 @@
     python tests/helpers/vllm_greedy.py MODEL_DIR   ->  prints {"vllm": [[...]], "hf": [[...]]}
 
 A script, not a test body: vLLM starts workers by spawn and needs the __main__ guard
-(DESIGN.md §2.2); running it in its own process also keeps its memory out of pytest's.
+(docs/architecture.md, fact 2); running it in its own process also keeps its memory out of pytest's.
 """
 
 import json
