@@ -29,13 +29,19 @@ def test_reward_model_learns_a_held_out_preference(ray_local, tmp_path, tracking
                              for a in range(12) for b in range(10)))
     cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}", f"stages.data.sources.preference=[{pairs}]",
                        "stages.data.eval_fraction=0.25", "stages.sft.max_steps=2", "stages.sft.accuracy_prompts=0",
-                       "stages.reward.max_steps=10", "stages.reward.eval_every=5")
+                       "stages.reward.max_steps=10", "stages.reward.eval_every=5",
+                       "stages.reward.lm_loss_weight=1.0")
     summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="reward")
     manifest = summary["stages"]["reward"]
     m = manifest["metrics"]
     assert m["eval_accuracy"] >= 0.9 and m["eval_margin"] > 0  # chance is 0.5
     first = MlflowClient(tracking_uri).get_metric_history(summary["run_ids"]["reward"], "eval_loss")
     assert min(x.value for x in first if x.step == 10) < min(x.value for x in first if x.step == 0)
+    # The auxiliary LM loss on the chosen answers is trained too (the worked answers were barely
+    # seen by a 2-step SFT, so it falls).
+    lm = sorted(MlflowClient(tracking_uri).get_metric_history(summary["run_ids"]["reward"], "train_lm_loss"),
+                key=lambda x: x.step)
+    assert {x.step for x in lm} == set(range(1, 11)) and lm[-1].value < lm[0].value
 
     # The export is a one-logit sequence classifier that ranks a held-out pair the same way.
     out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "reward", manifest["key"]))["reward_model"]

@@ -42,6 +42,7 @@ def test_deepspeed_config_from_typed_fields():
     ("stages.reward.deepspeed.offload_params=true", "offload_params needs zero_stage 3"),
     ("stages.sft.lr=-1", "stages.sft.lr: input should be greater than 0"),
     ("stages.reward.init_from=nothing", "stages.reward.init_from: input should be 'sft' or 'base'"),
+    ("stages.reward.lm_loss_weight=-1", "stages.reward.lm_loss_weight: input should be greater than or equal to 0"),
 ])
 def test_bad_training_options_fail_at_validation(tmp_path, override, expected):
     with pytest.raises(ConfigError) as exc:
@@ -63,8 +64,47 @@ def test_collate_masks_labels_and_pads():
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert out["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
     pairs = {"chosen_input_ids": np.array([np.array([1, 2])], dtype=object),
+             "chosen_loss_mask": np.array([np.array([0, 1])], dtype=object),
              "rejected_input_ids": np.array([np.array([1, 3, 4])], dtype=object)}
-    assert reward_collate(pairs, pad_id=0)["input_ids"].tolist() == [[1, 2, 0], [1, 3, 4]]
+    out = reward_collate(pairs, pad_id=0)
+    assert out["input_ids"].tolist() == [[1, 2, 0], [1, 3, 4]]
+    assert out["lm_mask"].tolist() == [[0, 1, 0], [0, 0, 0]]  # the chosen answer only
+
+
+def test_reward_lm_loss_equals_the_causal_lm_loss_of_the_same_weights(tmp_path):
+    """The hidden states the hook captures on the classifier, projected through the tied embeddings,
+    give exactly the loss HF's causal LM computes for the same checkpoint and labels."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    from stages.reward import capture_score_input, lm_head_for, lm_loss
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                      pad_token_id=0)).eval()
+    lm.save_pretrained(tmp_path)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 11, 12, 0, 0]])
+    att = (ids != 0).long()
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]])
+    expected = lm(input_ids=ids, attention_mask=att,
+                  labels=torch.where(mask.bool(), ids, torch.full_like(ids, -100))).loss
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=1).eval()
+    captured = capture_score_input(rm)
+    rm(input_ids=ids, attention_mask=att)
+    head = lm_head_for(rm, str(tmp_path))
+    assert head is rm.get_input_embeddings().weight  # tied: the trained embeddings, not a copy
+    assert lm_loss(captured["hidden"], head, ids, mask).item() == pytest.approx(expected.item(), rel=1e-5)
+    # Tokens outside the mask do not count: changing one moves nothing.
+    other = ids.clone()
+    other[1, 3] = 30
+    rm(input_ids=other, attention_mask=att)
+    assert lm_loss(captured["hidden"], head, other, mask).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_reward_lm_loss_refuses_zero3(tmp_path):
+    with pytest.raises(ConfigError, match="lm_loss_weight > 0 reads the embedding matrix"):
+        smoke_config(tmp_path, "stages.reward.lm_loss_weight=1", "stages.reward.deepspeed.zero_stage=3")
 
 
 def test_eval_batches_read_the_shard_once_and_replay_only_a_complete_pass():
