@@ -102,6 +102,21 @@ def test_reward_lm_loss_equals_the_causal_lm_loss_of_the_same_weights(tmp_path):
     assert lm_loss(captured["hidden"], head, other, mask).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
+def test_reward_lm_head_of_an_untied_model_is_the_init_models_lm_head_frozen(tmp_path):
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    from stages.reward import lm_head_for
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    lm.save_pretrained(tmp_path)
+    rm = AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=1)
+    head = lm_head_for(rm, str(tmp_path))
+    assert torch.equal(head, lm.lm_head.weight.detach()) and not head.requires_grad
+    assert not torch.equal(head, rm.get_input_embeddings().weight.detach())
+
+
 def test_reward_lm_loss_refuses_zero3(tmp_path):
     with pytest.raises(ConfigError, match="lm_loss_weight > 0 reads the embedding matrix"):
         smoke_config(tmp_path, "stages.reward.lm_loss_weight=1", "stages.reward.deepspeed.zero_stage=3")
