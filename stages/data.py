@@ -403,6 +403,12 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
     """Build the three datasets; log row, token and dropped counts per kind."""
     ctx.ray()
     _quiet_ray_data()
+    # Blocks leave the groupby and the tokenizer pool in completion order unless told otherwise,
+    # and the Parquet part files are numbered in that order: two runs wrote the same rows with
+    # `part 0` and `part 1` swapped, so SFT saw another batch order and ended 5 points apart.
+    from ray.data import DataContext
+
+    DataContext.get_current().execution_options.preserve_order = True
     ctx.progress("reading and validating sources")
     checked = _checked(cfg, ctx.pipeline)
     bad = _bad_rows(checked, cfg.on_bad_rows)
@@ -412,9 +418,10 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
     valid = _count_by(good, ["kind"])
     n_good = sum(valid.values())
     if cfg.dedupe:
-        # An explicit, small partition count: the default (200) costs seconds of shuffle set-up.
         # Grouping by the seeded `order` hash first shuffles the rows as a side effect of the sort.
-        good = good.groupby(["kind", "order", "payload"], num_partitions=max(2, cfg.tokenizer_actors))
+        # One partition: its output is one sorted stream, the same every run (with several, the
+        # partitions came out in completion order); the default (200) costs seconds of set-up.
+        good = good.groupby(["kind", "order", "payload"], num_partitions=1)
         good = good.map_groups(_first_row, batch_format="pyarrow")
     ctx.progress(f"tokenizing {n_good} valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
     from ray.data import ActorPoolStrategy
