@@ -405,7 +405,8 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
     _quiet_ray_data()
     # Blocks leave the groupby and the tokenizer pool in completion order unless told otherwise,
     # and the Parquet part files are numbered in that order: two runs wrote the same rows with
-    # `part 0` and `part 1` swapped, so SFT saw another batch order and ended 5 points apart.
+    # `part 0` and `part 1` swapped, so SFT saw another batch order and ended 5 points apart
+    # (docs/architecture.md, fact 13).
     from ray.data import DataContext
 
     DataContext.get_current().execution_options.preserve_order = True

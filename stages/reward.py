@@ -13,7 +13,8 @@ regularisation of "Generalizable Reward Models", Yang et al. 2024). Why: the sco
 sequence's last token, but what the SFT model knows about the answer sits at the positions that
 predict it; pure Bradley-Terry fine-tuning erodes that knowledge faster than the score head learns
 to use it. On the embedded default the reward model without it judged "off by one" pairs at chance
-(0.5-0.6) although the SFT model's own log-probs rank them at 0.8 (bench/RESULTS.md).
+(0.5-0.6) although the SFT model's own log-probs rank them at 0.8 (bench/RESULTS.md;
+docs/architecture.md, fact 14).
 
 Run alone: `python -m pipeline run configs/full.yaml --only reward` (after `sft`).
 """
