@@ -122,21 +122,44 @@ def test_reward_lm_loss_refuses_zero3(tmp_path):
         smoke_config(tmp_path, "stages.reward.lm_loss_weight=1", "stages.reward.deepspeed.zero_stage=3")
 
 
-def test_eval_batches_read_the_shard_once_and_replay_only_a_complete_pass():
+def test_eval_batches_read_the_split_once_and_replay_only_a_complete_pass():
     from stages.common.training import EvalBatches
 
-    class Shard:  # a Ray Data shard's iter_torch_batches, counting executions
+    class Split:  # a Ray Data dataset's iter_batches, counting executions
         passes = 0
 
-        def iter_torch_batches(self, batch_size, collate_fn):
-            Shard.passes += 1
-            rows = list(range(5))
+        def iter_batches(self, batch_size, drop_last, batch_format):
+            assert batch_format == "numpy" and not drop_last  # every eval row is scored
+            Split.passes += 1
+            rows = np.arange(5)
             for i in range(0, len(rows), batch_size):
-                yield collate_fn(rows[i:i + batch_size])
+                yield {"x": rows[i:i + batch_size]}
 
-    batches = EvalBatches(Shard(), 2, lambda rows: [r * 10 for r in rows])
+    batches = EvalBatches(Split(), 2, lambda b: [int(r) * 10 for r in b["x"]])
     for _ in batches:  # an interrupted first pass is not kept
         break
-    assert Shard.passes == 1 and batches.batches is None
-    assert list(batches) == [[0, 10], [20, 30], [40]] and Shard.passes == 2
-    assert list(batches) == [[0, 10], [20, 30], [40]] and Shard.passes == 2  # replayed, no new execution
+    assert Split.passes == 1 and batches.batches is None
+    assert list(batches) == [[0, 10], [20, 30], [40]] and Split.passes == 2
+    assert list(batches) == [[0, 10], [20, 30], [40]] and Split.passes == 2  # replayed, no new execution
+    # two ranks: each scores its half of every global batch of 4, the last rank takes the remainder
+    rank0, rank1 = EvalBatches(Split(), 2, lambda b: list(b["x"]), 0, 2), EvalBatches(Split(), 2, lambda b: list(b["x"]), 1, 2)
+    assert list(rank0) == [[0, 1]] and list(rank1) == [[2, 3], [4]]
+
+
+def test_rank_batches_do_not_depend_on_the_block_layout(ray_local):
+    """The same rows give every rank the same batches however Ray Data partitioned them: reruns train alike."""
+    import ray.data
+
+    from stages.common.training import rank_batches
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # as fit's DataConfig sets it
+    rows = [{"i": i} for i in range(50)]
+    collate = lambda b: [int(v) for v in b["i"]]  # noqa: E731
+    seen = {}
+    for blocks in (1, 7, 13):
+        ds = ray.data.from_items(rows, override_num_blocks=blocks)
+        seen[blocks] = [list(rank_batches(ds, 4, r, 3, collate)) for r in range(3)]
+    assert seen[1] == seen[7] == seen[13]
+    ranks = seen[1]
+    assert [len(r) for r in ranks] == [4, 4, 4]  # 50 rows, global batch 12: 4 full batches, the rest dropped
+    assert ranks[0][0] == [0, 1, 2, 3] and ranks[1][0] == [4, 5, 6, 7] and ranks[2][1] == [20, 21, 22, 23]

@@ -45,8 +45,13 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
     storage_path, storage_fs = object_storage.target(storage)
     if storage_fs is None:
         storage.mkdir(parents=True, exist_ok=True)
-    # Not materialised on purpose: a materialised dataset's blocks reach the workers in a
-    # timing-dependent split, which broke the same-data-every-run guarantee (ZeRO and resume tests).
+    # Not split by Ray Train: every worker reads the whole split in file order and keeps its slice
+    # of each global batch (`rank_batches`). Ray Data's `streaming_split` (materialised or not)
+    # hands blocks to workers in an order that depends on how the read was partitioned at the
+    # time, so the same config trained on different batches from run to run: seed 2's SFT policy
+    # ended at 0.600 in one run and 0.739 in the next (docs/architecture.md, fact 15).
+    for ds in datasets.values():  # every worker reads every split: no progress bars in the forwarded worker logs
+        ds.context.enable_progress_bars = False
     trainer = TorchTrainer(
         loop,
         train_loop_config=loop_config,
@@ -55,7 +60,7 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
                                      placement_strategy=tcfg.placement_strategy),
         datasets=datasets,
         # Same order every epoch and every attempt: resuming skips exactly the batches already seen.
-        dataset_config=DataConfig(datasets_to_split="all", execution_options=ExecutionOptions(preserve_order=True)),
+        dataset_config=DataConfig(datasets_to_split=[], execution_options=ExecutionOptions(preserve_order=True)),
         run_config=RunConfig(
             name="train",
             storage_path=storage_path,
@@ -121,16 +126,39 @@ def pad(seqs: list, value: int, dtype=None):
     return out, attn
 
 
+def rank_slices(batch: dict, rank: int, world: int) -> dict | None:
+    """Rank `rank`'s contiguous share of a global batch (column -> array): the first len/world rows go to
+    rank 0, the next to rank 1, ... (the last rank also takes the remainder); None when nothing is left."""
+    n = len(next(iter(batch.values())))
+    per = n // world
+    start, stop = rank * per, (n if rank == world - 1 else (rank + 1) * per)
+    return {k: v[start:stop] for k, v in batch.items()} if stop > start else None
+
+
+def rank_batches(dataset, micro: int, rank: int, world: int, collate_fn: Callable, drop_last: bool = True):
+    """This rank's collated micro-batches of a whole (unsplit) Ray Data split, in file order.
+
+    Global micro-batch k is rows [k * micro * world, (k + 1) * micro * world) and rank r trains on its
+    r-th slice: the batches are a pure function of the files and `micro * world`, whatever Ray Data's
+    block layout, so a rerun trains on exactly the same batches (what `DistributedSampler` gives a
+    map-style PyTorch dataset). Each worker reads the whole split; for the token-id Parquet of a
+    post-training set that costs far less than the training itself."""
+    for batch in dataset.iter_batches(batch_size=micro * world, drop_last=drop_last, batch_format="numpy"):
+        mine = rank_slices(batch, rank, world)
+        if mine is not None:
+            yield collate_fn(mine)
+
+
 class EvalBatches:
-    """The eval shard's collated micro-batches: read through Ray Data on the first pass, replayed after.
+    """This rank's share of the eval split's collated micro-batches: read through Ray Data on the first pass, replayed after.
 
     Every pass over a Ray Data shard is a new streaming execution, which costs 15-20 s of scheduling
     on a 2-core machine even for a few hundred rows; the eval split is small and identical at every
     evaluation, so holding its batches in worker memory (rows x max_len token ids) is the cheaper
     trade. The training split is still streamed on every epoch."""
 
-    def __init__(self, shard, micro: int, collate_fn: Callable) -> None:
-        self.shard, self.micro, self.collate_fn = shard, micro, collate_fn
+    def __init__(self, dataset, micro: int, collate_fn: Callable, rank: int = 0, world: int = 1) -> None:
+        self.dataset, self.micro, self.collate_fn, self.rank, self.world = dataset, micro, collate_fn, rank, world
         self.batches: list | None = None
 
     def __iter__(self):
@@ -138,7 +166,7 @@ class EvalBatches:
             yield from self.batches
             return
         read = []
-        for batch in self.shard.iter_torch_batches(batch_size=self.micro, collate_fn=self.collate_fn):
+        for batch in rank_batches(self.dataset, self.micro, self.rank, self.world, self.collate_fn, drop_last=False):
             read.append(batch)
             yield batch
         self.batches = read  # only a complete pass is kept
