@@ -22,6 +22,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,20 +32,35 @@ KEYS = ("seed", "algorithm", "eval_prompts", "greedy_before", "greedy_after", "s
         "sampled_up", "sampled_down", "sampled_p", "rm_accuracy", "kl_max", "wall_s")
 
 
+def used_memory_gib() -> float:
+    """The machine's memory in use (MemTotal - MemAvailable), GiB: Ray's workers, engines and object store
+    are separate processes, so one process's peak RSS would miss most of a run."""
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    kib = lambda k: int(info[k].split()[0])  # noqa: E731
+    return (kib("MemTotal") - kib("MemAvailable")) / 2**20
+
+
 def run_pipeline(config: Path, run_dir: Path, seed: int, algorithm: str, overrides: list[str]) -> dict:
-    """One `pipeline run --to ppo --json` in a subprocess (as a user runs it); its JSON summary."""
+    """One `pipeline run --to ppo --json` in a subprocess (as a user runs it); its JSON summary, plus the
+    invocation's wall time and the peak of the machine's used memory above what was in use before it."""
     cmd = [sys.executable, "-m", "pipeline", "run", str(config), "--to", "ppo", "--json", f"seed={seed}",
            f"run_dir={run_dir}", f"stages.ppo.algorithm={algorithm}", *overrides]
     print(f"[seed {seed} {algorithm}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    t0, before = time.time(), used_memory_gib()
+    with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: the loop below samples memory meanwhile
+        proc, peak = subprocess.Popen(cmd, cwd=ROOT, stdout=out, text=True), before
+        while proc.poll() is None:
+            peak = max(peak, used_memory_gib())
+            time.sleep(0.5)
+        out.seek(0)
+        stdout = out.read()
     try:
-        summary = json.loads(proc.stdout)
+        summary = json.loads(stdout)
     except json.JSONDecodeError:
         raise SystemExit(f"seed {seed} {algorithm}: the pipeline printed no JSON summary (exit {proc.returncode})")
     if proc.returncode != 0:
         raise SystemExit(f"seed {seed} {algorithm}: the pipeline failed (exit {proc.returncode}): {summary.get('error')}")
-    summary["invocation_s"] = time.time() - t0
+    summary["invocation_s"], summary["peak_mem_gib"] = time.time() - t0, peak - before
     return summary
 
 
@@ -68,6 +84,7 @@ def row(seed: int, algorithm: str, summary: dict) -> dict:
         "greedy_up": int(rl["eval_accuracy_improved"]), "greedy_down": int(rl["eval_accuracy_worsened"]),
         "greedy_p": rl["eval_accuracy_sign_test_p"], "reward_slope": rl["reward_slope"],
         "sft_accuracy": sft.get("accuracy"), "cached": entry["status"] == "hit",
+        "invocation_s": summary["invocation_s"], "peak_mem_gib": summary["peak_mem_gib"],
     }
 
 
@@ -81,14 +98,15 @@ def fmt(x, nd=3) -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| seed | algorithm | eval prompts | greedy SFT → RL | sampled SFT → RL | sampled up / down | sign p "
-            "| greedy up / down | RM acc | reward slope /iter | KL max | RL wall s |")
+            "| greedy up / down | RM acc | reward slope /iter | KL max | RL wall s | run s | peak mem GiB |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['algorithm']} | {r['eval_prompts']} | {fmt(r['greedy_before'])} → "
                      f"{fmt(r['greedy_after'])} | {fmt(r['sampled_before'])} → {fmt(r['sampled_after'])} | "
                      f"{r['sampled_up']} / {r['sampled_down']} | {fmt(r['sampled_p'], 2)} | "
                      f"{r['greedy_up']} / {r['greedy_down']} | {fmt(r['rm_accuracy'])} | {fmt(r['reward_slope'], 4)} | "
-                     f"{fmt(r['kl_max'], 2)} | {fmt(r['wall_s'], 0)} |")
+                     f"{fmt(r['kl_max'], 2)} | {fmt(r['wall_s'], 0)} | {fmt(r['invocation_s'], 0)} | "
+                     f"{fmt(r['peak_mem_gib'], 1)} |")
     for alg in dict.fromkeys(r["algorithm"] for r in rows):
         mine = [r for r in rows if r["algorithm"] == alg]
         if len(mine) < 2:
@@ -98,7 +116,7 @@ def table(rows: list[dict]) -> str:
                      f"{fmt(mean('greedy_after'))} | {fmt(mean('sampled_before'))} → {fmt(mean('sampled_after'))} | "
                      f"{fmt(mean('sampled_up'), 1)} / {fmt(mean('sampled_down'), 1)} | | "
                      f"{fmt(mean('greedy_up'), 1)} / {fmt(mean('greedy_down'), 1)} | {fmt(mean('rm_accuracy'))} | "
-                     f"{fmt(mean('reward_slope'), 4)} | {fmt(mean('kl_max'), 2)} | |")
+                     f"{fmt(mean('reward_slope'), 4)} | {fmt(mean('kl_max'), 2)} | | | |")
     return "\n".join(lines)
 
 
