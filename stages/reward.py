@@ -172,8 +172,10 @@ def train_loop(c: dict) -> None:
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
     total, pad_id = c["total_steps"], c["pad_id"]
-    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
-        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=pad_id), rank, world)
+    # This rank's batches of each split, read once and replayed (the same batches at every pass).
+    collate_fn = partial(collate, pad_id=pad_id)
+    trains = training.ReplayBatches(ray.train.get_dataset_shard("train"), cfg.micro_batch_size, collate_fn, rank, world)
+    evals = training.EvalBatches(ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, collate_fn, rank, world)
     if state["step"] == 0:
         first = _evaluate(engine, evals)
         log.log(first, 0)
@@ -184,8 +186,7 @@ def train_loop(c: dict) -> None:
     for epoch in range(state["epoch"], cfg.epochs):
         skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
         busy, micro = 0.0, 0
-        for batch in training.rank_batches(train, cfg.micro_batch_size, rank, world,
-                                           partial(collate, pad_id=pad_id)):
+        for batch in trains:
             micro += 1
             if micro <= skip:
                 continue

@@ -3,7 +3,8 @@
 Runs inside Ray Train V2's `TorchTrainer` (`num_workers` data-parallel ranks, gloo on CPU, NCCL on
 GPU) with DeepSpeed ZeRO 0-3 configured from YAML (`stages.common.deepspeed`). Batches come from
 the data stage's Parquet through Ray Data (each rank's slice of every global batch,
-`training.rank_batches`, so reruns train on the same batches); the loss
+`training.rank_batches`, so reruns train on the same batches; read once, then replayed from memory
+every epoch, `training.ReplayBatches`); the loss
 covers only assistant tokens (the data stage's `loss_mask`). Rank 0 logs train loss, learning
 rate and tokens/s every step and the eval loss every `eval_every` steps to the stage's MLflow run;
 at the end the driver scores greedy answers of the base and the tuned model on held-out prompts
@@ -96,8 +97,10 @@ def train_loop(c: dict) -> None:
     state = training.restore(engine)
     log.print(f"DeepSpeed engine ready in {time.time() - t_start:.1f}s (resuming at step {state['step']})")
     total, pad_id = c["total_steps"], c["pad_id"]
-    train, evals = ray.train.get_dataset_shard("train"), training.EvalBatches(
-        ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, partial(collate, pad_id=pad_id), rank, world)
+    # This rank's batches of each split, read once and replayed (the same batches at every pass).
+    collate_fn = partial(collate, pad_id=pad_id)
+    trains = training.ReplayBatches(ray.train.get_dataset_shard("train"), cfg.micro_batch_size, collate_fn, rank, world)
+    evals = training.EvalBatches(ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, collate_fn, rank, world)
     if state["step"] == 0:
         loss0 = _eval_loss(engine, evals)
         log.log({"eval_loss": loss0}, 0)
@@ -108,8 +111,7 @@ def train_loop(c: dict) -> None:
     for epoch in range(state["epoch"], cfg.epochs):
         skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
         busy, tokens, micro = 0.0, 0, 0
-        batches = training.rank_batches(train, cfg.micro_batch_size, rank, world, partial(collate, pad_id=pad_id))
-        for batch in batches:
+        for batch in trains:
             micro += 1
             if micro <= skip:
                 continue

@@ -146,6 +146,28 @@ def test_eval_batches_read_the_split_once_and_replay_only_a_complete_pass():
     assert list(rank0) == [[0, 1]] and list(rank1) == [[2, 3], [4]]
 
 
+def test_training_batches_are_read_once_and_replayed_every_epoch_unless_too_large():
+    from stages.common.training import ReplayBatches
+
+    class Split:
+        passes = 0
+
+        def iter_batches(self, batch_size, drop_last, batch_format):
+            assert drop_last  # training drops a short last global batch
+            Split.passes += 1
+            rows = np.arange(7)
+            for i in range(0, len(rows) - batch_size + 1, batch_size):
+                yield {"x": rows[i:i + batch_size]}
+
+    epochs = ReplayBatches(Split(), 2, lambda b: [int(r) for r in b["x"]])
+    seen = [list(epochs) for _ in range(3)]  # three epochs
+    assert seen == [[[0, 1], [2, 3], [4, 5]]] * 3 and Split.passes == 1 and epochs.passes == 1
+    Split.passes = 0
+    big = ReplayBatches(Split(), 2, lambda b: [int(r) for r in b["x"]], max_rows=4)  # 6 rows > 4: streamed
+    assert [list(big) for _ in range(2)] == [[[0, 1], [2, 3], [4, 5]]] * 2 and Split.passes == 2
+    assert big.batches is None
+
+
 def test_rank_batches_do_not_depend_on_the_block_layout(ray_local):
     """The same rows give every rank the same batches however Ray Data partitioned them: reruns train alike."""
     import ray.data

@@ -49,7 +49,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
     # of each global batch (`rank_batches`). Ray Data's `streaming_split` (materialised or not)
     # hands blocks to workers in an order that depends on how the read was partitioned at the
     # time, so the same config trained on different batches from run to run: seed 2's SFT policy
-    # ended at 0.600 in one run and 0.739 in the next (docs/architecture.md, fact 15).
+    # ended at 0.600 in one run and 0.739 in the next (docs/architecture.md, fact 15). The workers
+    # replay their batches from memory after the first pass (`ReplayBatches`).
     for ds in datasets.values():  # every worker reads every split: no progress bars in the forwarded worker logs
         ds.context.enable_progress_bars = False
     trainer = TorchTrainer(
@@ -149,27 +150,48 @@ def rank_batches(dataset, micro: int, rank: int, world: int, collate_fn: Callabl
             yield collate_fn(mine)
 
 
-class EvalBatches:
-    """This rank's share of the eval split's collated micro-batches: read through Ray Data on the first pass, replayed after.
+class ReplayBatches:
+    """This rank's collated micro-batches of one split: read through Ray Data on the first complete
+    pass, replayed from worker memory after (every epoch, every evaluation).
 
-    Every pass over a Ray Data shard is a new streaming execution, which costs 15-20 s of scheduling
-    on a 2-core machine even for a few hundred rows; the eval split is small and identical at every
-    evaluation, so holding its batches in worker memory (rows x max_len token ids) is the cheaper
-    trade. The training split is still streamed on every epoch."""
+    Every pass over a Ray Data dataset is a new streaming execution, which costs 15-20 s of
+    scheduling on a 2-core machine even for a few thousand rows, and since every rank reads the
+    whole split (`rank_batches`) each pass costs that on every rank. The batches are the same at
+    every pass (file order, same slicing), so replaying them trains and evaluates exactly as
+    streaming would. Only a complete pass is kept (training stops mid-epoch at its last step), and
+    a split larger than `max_rows` rows per rank is streamed every time instead of held in memory.
+    """
 
-    def __init__(self, dataset, micro: int, collate_fn: Callable, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, dataset, micro: int, collate_fn: Callable, rank: int = 0, world: int = 1,
+                 drop_last: bool = True, max_rows: int = 1_000_000) -> None:
         self.dataset, self.micro, self.collate_fn, self.rank, self.world = dataset, micro, collate_fn, rank, world
+        self.drop_last, self.max_rows = drop_last, max_rows
         self.batches: list | None = None
+        self.passes = 0  # Ray Data executions started (for tests and logs)
 
     def __iter__(self):
         if self.batches is not None:
             yield from self.batches
             return
-        read = []
-        for batch in rank_batches(self.dataset, self.micro, self.rank, self.world, self.collate_fn, drop_last=False):
-            read.append(batch)
+        self.passes += 1
+        read: list | None = []
+        rows = 0
+        for batch in rank_batches(self.dataset, self.micro, self.rank, self.world, self.collate_fn,
+                                  drop_last=self.drop_last):
+            if read is not None:
+                rows += len(next(iter(batch.values()))) if isinstance(batch, dict) else len(batch)
+                if rows <= self.max_rows:
+                    read.append(batch)
+                else:
+                    read = None  # too large to hold: streamed on every pass
             yield batch
-        self.batches = read  # only a complete pass is kept
+        if read is not None:
+            self.batches = read  # only a complete pass is kept
+
+
+def EvalBatches(dataset, micro: int, collate_fn: Callable, rank: int = 0, world: int = 1) -> ReplayBatches:
+    """The eval split's `ReplayBatches`: every row is scored (no partial batch dropped)."""
+    return ReplayBatches(dataset, micro, collate_fn, rank, world, drop_last=False)
 
 
 def init_engine(model, ds_config: dict):
