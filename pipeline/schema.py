@@ -1,12 +1,19 @@
-"""The base class every config section derives from.
+"""The base class every config section derives from, and the helpers that work on any section.
 
-Kept apart from `pipeline.config` so stage modules can define their config classes without
-importing the whole pipeline config (which imports every stage).
+Kept apart from `pipeline.config` so stage modules can define and manipulate their config
+classes (a Tune trial applies sampled values with `with_values`) without importing the whole
+pipeline config, which imports every stage: that would be an import cycle.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import difflib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeline.errors import ConfigError
 
 
 class Section(BaseModel):
@@ -17,3 +24,91 @@ class Section(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _model_at(root: type[Section], loc: tuple) -> type[Section] | None:
+    """The config class that owns the key at `loc` (to suggest valid keys for a typo)."""
+    model: Any = root
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        model = field.annotation
+        if not isinstance(model, type):
+            return None
+    return model if isinstance(model, type) and issubclass(model, Section) else None
+
+
+def format_validation_error(exc: ValidationError, root: type[Section]) -> str:
+    """One line per problem, each naming the key path, what is wrong and how to fix it."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        key = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            owner = _model_at(root, loc)
+            valid = sorted(owner.model_fields) if owner else []
+            close = difflib.get_close_matches(loc[-1], valid, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            lines.append(f"{key}: unknown key; {hint}valid keys here: {', '.join(valid)}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        shown = "" if err["type"] in ("missing",) or isinstance(got, dict) else f", got {got!r}"
+        text = f"{msg[0].lower() + msg[1:]}{shown}"
+        lines.append(f"{key}: {text}" if loc else msg)
+    return "\n".join(lines)
+
+
+def with_values(section: Section, values: dict[str, Any], prefix: str = "") -> Section:
+    """A copy of `section` with dotted field paths set, validated again: {'lr': 1e-3, 'deepspeed.zero_stage': 0}.
+
+    Raises ValueError naming `prefix.path` when the result is not a valid config (a tuned value that
+    breaks a cross-field rule, e.g. a batch size that no longer divides)."""
+    data = section.model_dump(mode="json")
+    for dotted, value in values.items():
+        apply_override(data, dotted.split("."), value)
+    try:
+        return type(section).model_validate(data)
+    except ValidationError as exc:
+        lines = format_validation_error(exc, type(section)).splitlines()
+        raise ValueError("; ".join(f"{prefix}.{line}" if prefix else line for line in lines)) from None
+
+
+def get_path(cfg: Section, dotted: str) -> Any:
+    """`get_path(cfg, "stages.data")` -> that section (used for per-stage cache keys)."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def to_plain(value: Any) -> Any:
+    """A config value as JSON-able plain data (paths become strings)."""
+    if isinstance(value, Section):
+        return value.model_dump(mode="json")
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: config as MLflow params."""
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): data}

@@ -241,11 +241,11 @@ def _trial(config: dict, setup: dict) -> None:
     from ray import tune
 
     from pipeline import storage
-    from pipeline.config import PipelineConfig, flatten, with_values
+    from pipeline.schema import flatten, with_values
     from pipeline.tracking import log_params
 
     os.environ.update(setup["storage_env"])  # the object store, if any: Tune's actors may predate it
-    pipeline = PipelineConfig.model_validate(setup["pipeline"])
+    pipeline = setup["pipeline"]  # the PipelineConfig itself (pickled by Tune): no import of pipeline.config here
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(pipeline.tracking_uri)
     params = config["params"]
@@ -387,7 +387,7 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
     ctx.ray()
     work = ctx.checkpoint_dir / "trials"
     tune_storage, tune_fs = storage.target(ctx.checkpoint_dir / "tune")
-    setup = {"target": cfg.target, "pipeline": ctx.pipeline.model_dump(mode="json"),
+    setup = {"target": cfg.target, "pipeline": ctx.pipeline,
              "inputs": {k: str(v) for k, v in ctx.inputs.items()}, "work_dir": str(work),
              "experiment_id": ctx.tracker.experiment_id, "parent_run_id": ctx.run_id,
              "storage_env": storage.worker_env()}

@@ -15,3 +15,59 @@ def test_package_imports_pull_in_no_heavy_packages():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _project_imports() -> dict[str, set[str]]:
+    """{module: project modules it imports}, counting imports inside functions too (they still couple)."""
+    import ast
+
+    files = {}
+    for package in ("pipeline", "stages"):
+        for f in (ROOT / package).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            files[name] = f
+    graph = {}
+    for name, f in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], or None (depth-first search with colours)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles_among_the_project_modules():
+    graph = _project_imports()
+    assert "pipeline.config" in graph and "stages.tune" in graph["pipeline.config"]  # the walk sees imports
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
