@@ -28,10 +28,11 @@ RUNTIME_EXCLUDES = [".venv", ".git", "runs", "tests", "bench", "**/__pycache__",
 JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 
 
-def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -> bool:
+def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambda message: None) -> bool:
     """Connect to Ray if not connected yet; True if this call started (and so must stop) it.
 
-    With `run_dir`, a multi-node cluster is first checked to share it (`check_shared_storage`)."""
+    With `run_storage`, a multi-node cluster is first checked to reach the run's bucket from every
+    node (`check_bucket`) or, without one, to share its run_dir (`check_shared_storage`)."""
     import ray
 
     if ray.is_initialized():
@@ -53,13 +54,13 @@ def ensure_ray(ray_cfg, run_dir: Path | None = None, log=lambda message: None) -
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log(f"joined the Ray cluster at {address}: {len(nodes)} node(s), "
             f"{sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs, {sum(n['Resources'].get('GPU', 0) for n in nodes):g} GPUs")
-        if run_dir is not None:
+        if run_storage is not None:
             try:
-                found = storage.active()
-                if found and check_bucket(found[0]):
-                    log(f"{found[0].uri} is readable and writable from all {len(nodes)} nodes (run_dir is each "
+                store = run_storage.store
+                if store and check_bucket(store):
+                    log(f"{store.uri} is readable and writable from all {len(nodes)} nodes (run_dir is each "
                         "node's working copy)")
-                elif not found and check_shared_storage(run_dir):
+                elif not store and check_shared_storage(run_storage.run_dir):
                     log(f"run_dir is readable and writable from all {len(nodes)} nodes")
             except BaseException:
                 ray.shutdown()

@@ -12,7 +12,6 @@ stage asks for it (`ctx.ray()`), so a fully cached rerun never starts it.
 from __future__ import annotations
 
 import fcntl
-import importlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from pipeline import artifacts, storage
 from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
 from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
+from pipeline.stage import load as load_stage
 
 PENDING = "pending"  # the upstream of a stage whose tuned values are not known yet (its sweep has not run)
 
@@ -108,8 +108,7 @@ def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, st
 
     `stage_cfg` is the stage's own section as it will run (tuned values applied), if not the YAML's.
     """
-    module = importlib.import_module(spec.module)
-    raw = getattr(module, "raw_inputs", lambda _: [])(cfg)
+    raw = load_stage(spec.module).raw_inputs(cfg)
     config = {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)}
     if stage_cfg is not None:
         config[spec.config] = to_plain(stage_cfg)
@@ -211,7 +210,7 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
         local = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
         remote = not local and store is not None and storage.remote_manifest(store, spec.name, key) is not None
         finished = local or remote
-        always = getattr(importlib.import_module(spec.module), "always_runs", lambda _: None)(stage_cfg)
+        always = load_stage(spec.module).always_runs(stage_cfg)
         if spec.name in chosen and spec.name in forced:
             status, reason = "miss", "forced (--force)"
         elif always:
@@ -299,8 +298,8 @@ class RunLock:
 
 
 @dataclass
-class StageContext:
-    """What a stage sees of the pipeline: its directories, inputs, logging and Ray."""
+class RunContext:
+    """The runner's implementation of the stage interface (`pipeline.stage.StageContext`)."""
 
     name: str
     pipeline: PipelineConfig
@@ -310,6 +309,7 @@ class StageContext:
     console: Any
     tracker: Any
     run_id: str
+    storage: storage.RunStorage
     upstream: dict[str, dict] = field(default_factory=dict)  # input name -> the manifest of the stage that made it
     metrics: dict[str, float] = field(default_factory=dict)
     started_ray: bool = False
@@ -319,11 +319,26 @@ class StageContext:
         self.tracker.log_metrics(self.run_id, metrics, step)
 
     def log_dict(self, data: Any, name: str) -> None:
-        """Attach a JSON document (e.g. the effective DeepSpeed config) to the stage's MLflow run."""
         self.tracker.log_dict(self.run_id, data, name)
 
+    def log_artifact(self, path: Path) -> None:
+        self.tracker.log_artifact(self.run_id, path)
+
+    def set_tags(self, tags: dict[str, str], run_id: str | None = None) -> None:
+        self.tracker.set_tags(run_id or self.run_id, tags)
+
+    def mlflow_client(self):
+        return self.tracker.client
+
+    @property
+    def experiment_id(self) -> str:
+        return self.tracker.experiment_id
+
+    @property
+    def pipeline_run_id(self) -> str:
+        return self.tracker.parent_id
+
     def train_callbacks(self) -> list:
-        """Extra Ray Train callbacks for the stage's TorchTrainer (a Tune trial's context adds Tune's)."""
         return []
 
     def progress(self, message: str) -> None:
@@ -332,7 +347,7 @@ class StageContext:
     def ray(self) -> None:
         from pipeline.cluster import ensure_ray
 
-        self.started_ray = ensure_ray(self.pipeline.ray, self.pipeline.run_dir, self.progress) or self.started_ray
+        self.started_ray = ensure_ray(self.pipeline.ray, self.storage, self.progress) or self.started_ray
         # Ray's core worker installs a C-level SIGTERM handler that aborts the process; put ours
         # back so `kill` still ends the stage cleanly (no manifest, MLflow run marked KILLED).
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
@@ -356,7 +371,7 @@ def _sigterm_as_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
+def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: RunContext) -> dict:
     """Execute one missed stage into its artifact dir and write its manifest last."""
     if ctx.out_dir.exists():  # a forced rerun, or partial output of an interrupted attempt
         (ctx.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)  # first: a half-deleted dir is never a hit
@@ -367,9 +382,8 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: StageContext) -> dict:
         storage.clear_artifact(store, p.spec.name, p.key)
     artifacts.write_json_atomic(artifacts.attempt_file(cfg.run_dir, p.spec.name),
                                 {"key": p.key, "components": p.components, "pid": os.getpid()})
-    module = importlib.import_module(p.spec.module)
     start = time.time()
-    outputs = module.run(p.config if p.config is not None else get_path(cfg, p.spec.config), ctx)
+    outputs = load_stage(p.spec.module).run(p.config if p.config is not None else get_path(cfg, p.spec.config), ctx)
     missing = [o for o in p.spec.outputs if o not in outputs or not Path(outputs[o]).exists()]
     if missing:
         raise RuntimeError(f"stage '{p.spec.name}' did not produce {missing}")
@@ -418,7 +432,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         summary["parent_run_id"] = tracker.parent_id
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
         status, run_id, ctx = "FINISHED", None, None
-        storage.activate(store, cfg.run_dir)  # workers find the store through the environment
+        run_storage = storage.RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
         try:
             for i in range(1, len(active) + 1):
                 p = active[i - 1]
@@ -446,8 +460,8 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                         upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
                         inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
                             cfg.run_dir, up.spec.name, up.key))[inp]
-                    ctx = StageContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
-                                       inputs, console, tracker, run_id, upstream)
+                    ctx = RunContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
+                                     inputs, console, tracker, run_id, run_storage, upstream)
                     manifest = _run_stage(cfg, p, ctx)
                     summary["started_ray"] |= ctx.started_ray
                 tracker.log_dict(run_id, manifest, "manifest.json")
@@ -473,7 +487,6 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
-            storage.activate(None, cfg.run_dir)
             if run_id:
                 tracker.end(run_id, status)
             tracker.end(tracker.parent_id, status)

@@ -15,9 +15,9 @@ record and `run_dir` becomes each machine's working copy:
   worker process opening a model directory calls `localize`, which pulls the artifact holding it
   when this node has no copy.
 
-Workers learn the store from the `PIPELINE_STORAGE` environment variable: the driver sets it
-(`activate`) and gives it to every actor the stages start (`worker_env`); Ray Data and Ray Train
-get the bucket's filesystem object itself (`target`).
+Workers learn about the store from a `RunStorage` value the stage passes to every worker it
+creates (no environment variable); Ray Data and Ray Train get the bucket's filesystem object
+itself (`RunStorage.target`).
 
 We use pyarrow's `S3FileSystem` rather than boto3: pyarrow is already what Ray Data and Ray
 Train use for `s3://`, and it speaks to any S3-compatible endpoint (`endpoint_url`: MinIO, Ceph,
@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -42,9 +43,6 @@ from pydantic import Field, field_validator
 from pipeline.artifacts import MANIFEST, read_manifest
 from pipeline.errors import UserError
 from pipeline.schema import Section
-
-ENV = "PIPELINE_STORAGE"  # JSON: {"uri", "endpoint_url", "region", "run_dir"}
-
 
 class StorageConfig(Section):
     """Object storage for artifacts and checkpoints; empty: run_dir alone (a shared path on a cluster)."""
@@ -98,10 +96,6 @@ class ObjectStore:
 
     def url(self, rel: str = "") -> str:
         return f"s3://{self.path(rel)}"
-
-    def to_env(self, run_dir: Path) -> str:
-        return json.dumps({"uri": self.uri, "endpoint_url": self.endpoint_url, "region": self.region,
-                           "run_dir": str(run_dir)})
 
     # ---------------------------------------------------------------- files
 
@@ -271,29 +265,126 @@ def check(store: ObjectStore | None) -> None:
 # --------------------------------------------------------------------------- worker side
 
 
-def activate(store: ObjectStore | None, run_dir: Path) -> None:
-    """Tell this process and the Ray workers it starts about the store (None: no store)."""
-    if store is None:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = store.to_env(run_dir)
+@dataclass(frozen=True)
+class RunStorage:
+    """Where this run's files live: `run_dir`, and the bucket of record when the run has one.
 
+    A plain, picklable value that the runner builds once (`RunStorage.of(cfg)`) and hands to the
+    stage (`ctx.storage`), which passes it explicitly to every worker it creates (Ray Train's loop
+    config, the PPO ranks' and rollout engines' constructors, Tune trials). Workers never learn
+    about the store from the environment, so a Ray instance or actor that predates the run cannot
+    miss it.
+    """
 
-def worker_env() -> dict[str, str]:
-    """The variable that tells worker processes about the active store ({} without one).
+    run_dir: Path
+    uri: str | None = None
+    endpoint_url: str | None = None
+    region: str | None = None
 
-    Given explicitly to the actors the stages start (Ray Train workers, PPO ranks, rollout
-    engines): a Ray instance started before `activate` would not pass it on by itself."""
-    return {ENV: os.environ[ENV]} if ENV in os.environ else {}
+    @classmethod
+    def of(cls, cfg) -> "RunStorage":
+        s = cfg.storage
+        return cls(Path(cfg.run_dir), s.uri, s.endpoint_url, s.region)
 
+    @cached_property
+    def store(self) -> ObjectStore | None:
+        return ObjectStore(self.uri, self.endpoint_url, self.region) if self.uri else None
 
-def active() -> tuple[ObjectStore, Path] | None:
-    """The store and run_dir this process works with (from `PIPELINE_STORAGE`), or None."""
-    raw = os.environ.get(ENV)
-    if not raw:
-        return None
-    spec = json.loads(raw)
-    return ObjectStore(spec["uri"], spec.get("endpoint_url"), spec.get("region")), Path(spec["run_dir"])
+    def __getstate__(self) -> dict:  # the cached S3 client stays behind; each process makes its own
+        return {k: getattr(self, k) for k in ("run_dir", "uri", "endpoint_url", "region")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def _in_store(self, path: str | Path) -> tuple[ObjectStore, str] | None:
+        """(store, path relative to run_dir) when the run has a store and `path` lies in run_dir."""
+        if self.store is None:
+            return None
+        try:
+            return self.store, str(Path(path).relative_to(self.run_dir))
+        except ValueError:
+            return None
+
+    def localize(self, path: str | Path) -> Path:
+        """`path` on this node: pulled from the store first when it is part of an artifact this node lacks.
+
+        Call it in worker processes before opening an input (a model directory): on a multi-node
+        cluster without a shared run_dir, the driver's artifacts exist on this node only once pulled.
+        """
+        path = Path(path)
+        if path.exists() or self.store is None:
+            return path
+        artifact = _artifact_of(path, self.run_dir)
+        if artifact is None or not pull_artifact(self.store, self.run_dir, *artifact):
+            raise FileNotFoundError(f"{path} is neither on this node nor in {self.store.uri}")
+        return path
+
+    def target(self, path: str | Path) -> tuple[str, object | None]:
+        """(path, pyarrow filesystem) under which Ray Data and Ray Train should address `path`.
+
+        A path inside run_dir maps to the same place in the bucket when the run has a store (reads
+        and checkpoints then work from any node); anything else stays a local path (filesystem None).
+        """
+        found = self._in_store(path)
+        if found is None:
+            return str(path), None
+        store, rel = found
+        return store.path(rel), store.fs
+
+    def push_path(self, path: str | Path) -> int:
+        """Upload a file or directory of run_dir to the same place in the bucket; bytes sent (0 without a store).
+
+        For checkpoints written outside Ray Train (the PPO stage's): each process pushes what it wrote."""
+        found = self._in_store(path)
+        path = Path(path)
+        if found is None or not path.exists():
+            return 0
+        store, rel = found
+        if path.is_file():
+            store.write_bytes(rel, path.read_bytes())
+            return path.stat().st_size
+        return store.upload_dir(path, rel)
+
+    def pull_path(self, path: str | Path) -> int:
+        """Download a file or directory of run_dir from the bucket where this node lacks it (or has another
+        size); bytes received (0 without a store). Serialised per path: ranks on one node share one download."""
+        found = self._in_store(path)
+        if found is None:
+            return 0
+        store, rel = found
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{path.name}.pull.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if store.files(rel):  # a directory
+                return store.download_dir(rel, path, skip_same_size=True)
+            data = store.read_bytes(rel)  # a file (or nothing)
+            if data is None or (path.is_file() and path.read_bytes() == data):
+                return 0
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+            return len(data)
+
+    def drop_path(self, path: str | Path) -> None:
+        """Remove a directory of run_dir from the bucket too (old checkpoints); nothing without a store."""
+        found = self._in_store(path)
+        if found is not None:
+            found[0].delete_dir(found[1])
+
+    def write_parquet(self, ds, dest: Path) -> None:
+        """`ds.write_parquet(dest)`; with a store, through the bucket, then pulled into `dest`.
+
+        Ray Data's write tasks run on any node: into a node-local run_dir they would scatter the files
+        over the nodes. The bucket is the one place every node reaches."""
+        found = self._in_store(dest)
+        if found is None:
+            ds.write_parquet(str(dest))
+            return
+        store, rel = found
+        store.delete_dir(rel)
+        ds.write_parquet(store.path(rel), filesystem=store.fs)
+        store.download_dir(rel, Path(dest))
 
 
 def _artifact_of(path: Path, run_dir: Path) -> tuple[str, str] | None:
@@ -303,107 +394,6 @@ def _artifact_of(path: Path, run_dir: Path) -> tuple[str, str] | None:
     except ValueError:
         return None
     return (parts[0], parts[1]) if len(parts) >= 2 else None
-
-
-def localize(path: str | Path) -> Path:
-    """`path` on this node: pulled from the store first when it is part of an artifact this node lacks.
-
-    Call it in worker processes before opening an input (a model directory): on a multi-node
-    cluster without a shared run_dir, the driver's artifacts exist on this node only once pulled.
-    """
-    path = Path(path)
-    found = active()
-    if path.exists() or found is None:
-        return path
-    store, run_dir = found
-    artifact = _artifact_of(path, run_dir)
-    if artifact is None or not pull_artifact(store, run_dir, *artifact):
-        raise FileNotFoundError(f"{path} is neither on this node nor in {store.uri}")
-    return path
-
-
-def target(path: str | Path) -> tuple[str, object | None]:
-    """(path, pyarrow filesystem) under which Ray Data and Ray Train should address `path`.
-
-    A path inside run_dir maps to the same place in the bucket when a store is active (reads and
-    checkpoints then work from any node); anything else stays a local path (filesystem None).
-    """
-    found = _in_store(path)
-    if found is None:
-        return str(path), None
-    store, rel = found
-    return store.path(rel), store.fs
-
-
-def _in_store(path: str | Path) -> tuple[ObjectStore, str] | None:
-    """(store, path relative to run_dir) when a store is active and `path` lies in run_dir."""
-    found = active()
-    if found is None:
-        return None
-    store, run_dir = found
-    try:
-        return store, str(Path(path).relative_to(run_dir))
-    except ValueError:
-        return None
-
-
-def push_path(path: str | Path) -> int:
-    """Upload a file or directory of run_dir to the same place in the bucket; bytes sent (0 without a store).
-
-    For checkpoints written outside Ray Train (the PPO stage's): each process pushes what it wrote."""
-    found = _in_store(path)
-    path = Path(path)
-    if found is None or not path.exists():
-        return 0
-    store, rel = found
-    if path.is_file():
-        store.write_bytes(rel, path.read_bytes())
-        return path.stat().st_size
-    return store.upload_dir(path, rel)
-
-
-def pull_path(path: str | Path) -> int:
-    """Download a file or directory of run_dir from the bucket where this node lacks it (or has another
-    size); bytes received (0 without a store). Serialised per path: ranks on one node share one download."""
-    found = _in_store(path)
-    if found is None:
-        return 0
-    store, rel = found
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.pull.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if store.files(rel):  # a directory
-            return store.download_dir(rel, path, skip_same_size=True)
-        data = store.read_bytes(rel)  # a file (or nothing)
-        if data is None or (path.is_file() and path.read_bytes() == data):
-            return 0
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        return len(data)
-
-
-def drop_path(path: str | Path) -> None:
-    """Remove a directory of run_dir from the bucket too (old checkpoints); nothing without a store."""
-    found = _in_store(path)
-    if found is not None:
-        found[0].delete_dir(found[1])
-
-
-def write_parquet(ds, dest: Path) -> None:
-    """`ds.write_parquet(dest)`; with a store, through the bucket, then pulled into `dest`.
-
-    Ray Data's write tasks run on any node: into a node-local run_dir they would scatter the files
-    over the nodes. The bucket is the one place every node reaches."""
-    found = _in_store(dest)
-    if found is None:
-        ds.write_parquet(str(dest))
-        return
-    store, rel = found
-    store.delete_dir(rel)
-    ds.write_parquet(store.path(rel), filesystem=store.fs)
-    store.download_dir(rel, Path(dest))
 
 
 def probe(store: ObjectStore) -> str:

@@ -27,6 +27,7 @@ from pydantic import Field, field_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
+from pipeline.stage import StageContext
 from stages.common.serving import EngineConfig
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -187,14 +188,14 @@ class RewardScorer:
         return batch
 
 
-def read_prompts(path: Path, prompt_field: str):
+def read_prompts(path: Path, prompt_field: str, run_storage=None):
     """The prompts as a Ray Dataset, with a clear error when the prompt column is missing."""
     import ray.data
 
     from stages.common.parquet import read_parquet
 
     if path.is_dir() or path.suffix.lower() == ".parquet":
-        ds = read_parquet(path)
+        ds = read_parquet(path, run_storage)
     else:
         ds = ray.data.read_json(str(path), lines=True)
     columns = ds.columns() or []
@@ -237,13 +238,14 @@ def _outputs(row: dict) -> dict:
 
 
 def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, log, reward_dir: Path | None = None,
-          seed: int = 0) -> dict[str, Any]:
+          seed: int = 0, run_storage=None) -> dict[str, Any]:
     """Generate, score and write `out_dir/predictions` + `out_dir/summary.json`; returns the summary.
 
-    `log(message)` reports progress. Ray must be running."""
+    `log(message)` reports progress. Ray must be running. With the run's `RunStorage`, prompts that
+    are a run artifact are read from its bucket (read tasks may run on any node)."""
     import pyarrow.parquet as pq
 
-    ds = read_prompts(prompts, cfg.prompt_field)
+    ds = read_prompts(prompts, cfg.prompt_field, run_storage)
     log(f"generating for {prompts} with {model_dir} ({cfg.concurrency} engine(s), "
         f"max {cfg.sampling.max_tokens} tokens, temperature {cfg.sampling.temperature})")
     t0 = time.time()
@@ -268,13 +270,14 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
     return summary
 
 
-def run(cfg: BatchInferConfig, ctx) -> dict[str, Path]:
+def run(cfg: BatchInferConfig, ctx: StageContext) -> dict[str, Path]:
     """As a pipeline stage: the configured source model over the prompts; the summary goes to MLflow."""
     prompts = cfg.prompts or ctx.inputs["prompt_data"] / "eval"
     ctx.ray()
     reward_dir = ctx.inputs.get("reward_model") if cfg.score.reward_model else None
-    summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed)
+    summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed,
+                    ctx.storage)
     ctx.progress(f"results in {ctx.out_dir / 'predictions'}")
     ctx.log_metrics(summary)
-    ctx.tracker.log_artifact(ctx.run_id, ctx.out_dir / "summary.json")
+    ctx.log_artifact(ctx.out_dir / "summary.json")
     return {"predictions": ctx.out_dir / "predictions"}

@@ -30,6 +30,7 @@ from pydantic import Field, field_validator, model_validator
 from pipeline import storage
 from pipeline.errors import DataError
 from pipeline.schema import Section
+from pipeline.stage import StageContext
 from stages.common.formats import KINDS, SUFFIXES, check_row, locate_problem
 
 
@@ -353,7 +354,7 @@ def _bad_rows(checked, on_bad_rows: str) -> dict[str, int]:
     return counts
 
 
-def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path) -> tuple[int, int]:
+def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_storage: storage.RunStorage) -> tuple[int, int]:
     """Write one (kind, split) to Parquet; return (rows, tokens) read back from the files."""
     import pyarrow.parquet as pq
 
@@ -365,7 +366,7 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path) -> tuple[
         part = part.map_batches(_pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                                 fn_kwargs={"max_len": cfg.max_len})
     dest.mkdir(parents=True, exist_ok=True)
-    storage.write_parquet(part, dest)
+    run_storage.write_parquet(part, dest)
     files = sorted(dest.glob("*.parquet"))
     if not files:
         return 0, 0
@@ -399,7 +400,7 @@ def _quiet_ray_data() -> None:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
-def run(cfg: DataConfig, ctx) -> dict[str, Path]:
+def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
     """Build the three datasets; log row, token and dropped counts per kind."""
     ctx.ray()
     _quiet_ray_data()
@@ -439,7 +440,7 @@ def run(cfg: DataConfig, ctx) -> dict[str, Path]:
         metrics |= {f"{kind}_rows_bad": bad.get(kind, 0), f"{kind}_rows_duplicate": valid.get((kind,), 0) - unique,
                     f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
         for split in ("train", "eval"):
-            rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split)
+            rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split, ctx.storage)
             metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
         _check_not_empty(kind, metrics, had_input=any(k == kind for k, _ in _sources(cfg, ctx.pipeline)))
         (ctx.out_dir / kind / "meta.json").write_text(json.dumps({

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.stage import StageContext
+from stages.common.models import ModelConfig
+
 
 def raw_inputs(pcfg) -> list[Path]:
     """Files whose contents are part of this stage's cache key: a user checkpoint's files."""
     return [] if pcfg.model.is_builtin else [Path(pcfg.model.source)]
 
 
-def run(cfg, ctx) -> dict[str, Path]:
+def run(cfg: ModelConfig, ctx: StageContext) -> dict[str, Path]:
     """`cfg` is the top-level `model` section."""
     from stages.common import models, tasks
 

@@ -50,6 +50,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
+from pipeline.stage import StageContext
 from stages.common.deepspeed import DeepSpeedSection
 
 
@@ -347,7 +348,7 @@ def _ds_config(role, mini: int, micro: int, bf16: bool, trainable: bool) -> dict
 
 
 def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
-                pad_id: int, seed: int):
+                pad_id: int, seed: int, run_storage):
     """A ModelGroup of PPOWorker ranks holding `model_dir` as `kind`; returns (group, setup refs)."""
     from stages.common.deepspeed import device_env, use_bf16
     from stages.common.groups import ModelGroup
@@ -355,7 +356,7 @@ def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, tra
 
     group = ModelGroup(name, PPOWorker, role.num_ranks, 1, gpu, cfg.placement_strategy, env=device_env(gpu))
     spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
-            "seed": seed, "activation_checkpointing": role.deepspeed.activation_checkpointing,
+            "seed": seed, "storage": run_storage, "activation_checkpointing": role.deepspeed.activation_checkpointing,
             "zero_head": kind == "value" and cfg.critic_zero_init,
             "ds_config": _ds_config(role, cfg.mini_batch_size, cfg.micro_batch_size, use_bf16(role.deepspeed, gpu),
                                     trainable)}
@@ -440,45 +441,42 @@ def _evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -
 # --------------------------------------------------------------------------- checkpoints
 
 
-def _latest(ckpt: Path) -> dict | None:
+def _latest(ckpt: Path, run_storage) -> dict | None:
     """The last checkpoint's record; with an object store, the bucket's when this machine has none."""
-    from pipeline import storage
     from pipeline.artifacts import read_json
 
-    storage.pull_path(ckpt / "latest.json")
+    run_storage.pull_path(ckpt / "latest.json")
     latest = read_json(ckpt / "latest.json")
     if latest:
-        storage.pull_path(ckpt / latest["dir"] / "state.json")
+        run_storage.pull_path(ckpt / latest["dir"] / "state.json")
     return latest
 
 
-def _save(ckpt: Path, it: int, groups: dict, state: dict) -> None:
+def _save(ckpt: Path, it: int, groups: dict, state: dict, run_storage) -> None:
     """Every trainable role's DeepSpeed state, then the driver state; `latest.json` last, atomically
     (and with an object store, pushed last)."""
     import ray
 
-    from pipeline import storage
     from pipeline.artifacts import write_json_atomic
 
     d = ckpt / f"iter_{it:05d}"
     ray.get([r for name, g in groups.items() for r in g.run("save", str(d / name))])
     (d / "state.json").write_text(json.dumps(state))
-    storage.push_path(d / "state.json")
+    run_storage.push_path(d / "state.json")
     write_json_atomic(ckpt / "latest.json", {"iteration": it, "dir": d.name})
-    storage.push_path(ckpt / "latest.json")
+    run_storage.push_path(ckpt / "latest.json")
     for old in sorted(ckpt.glob("iter_*"))[:-2]:  # keep the last two
         shutil.rmtree(old, ignore_errors=True)
-        storage.drop_path(old)
+        run_storage.drop_path(old)
 
 
 # --------------------------------------------------------------------------- the stage
 
 
-def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
+def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     import ray
     import torch
 
-    from pipeline import storage
     from stages.common import rl
     from stages.common.deepspeed import use_gpu
     from stages.common.models import load_tokenizer
@@ -499,7 +497,8 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
                  f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''})")
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.sampling.max_new_tokens
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
-                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine)
+                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
+                      storage=ctx.storage)
     groups, pool = {}, None
     try:
         pad = tok.pad_token_id
@@ -508,7 +507,8 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
         roles += [("critic", cfg.critic, "value", rm_dir, True)] if ppo else []
         roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
         for name, role, kind, model_dir, trainable in roles:
-            groups[name], pending[name] = _start_role(name, role, kind, model_dir, cfg, trainable, gpu, pad, seed)
+            groups[name], pending[name] = _start_role(name, role, kind, model_dir, cfg, trainable, gpu, pad, seed,
+                                                          ctx.storage)
         trained = {name: groups[name] for name, *_, trainable in roles if trainable}
         policy, critic, ref, reward = (groups.get(k) for k in ("policy", "critic", "reference", "reward"))
         pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy)
@@ -517,7 +517,7 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
 
         before = _evaluate(pool, eval_rows, tok, reward, cfg, rule) if eval_rows else None
         kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
-        start, latest = 0, _latest(ctx.checkpoint_dir)
+        start, latest = 0, _latest(ctx.checkpoint_dir, ctx.storage)
         if latest:  # resume: DeepSpeed states (optimizer included), KL coefficient, then engines to these weights
             d = ctx.checkpoint_dir / latest["dir"]
             ray.get([r for name, g in trained.items() for r in g.run("load", str(d / name))])
@@ -609,13 +609,13 @@ def run(cfg: PPOConfig, ctx) -> dict[str, Path]:
                          f"| gen {t_gen:.1f}s score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s")
             # 9. checkpoint
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
-                _save(ctx.checkpoint_dir, it, trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend})
+                _save(ctx.checkpoint_dir, it, trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend}, ctx.storage)
                 if fault_after and it + 1 >= fault_after > start:
                     raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
 
         out = ctx.out_dir / "model"
         ray.get(policy.run("save_hf", str(out)))
-        storage.pull_path(out)  # with an object store: rank 0 may have written it on another node
+        ctx.storage.pull_path(out)  # with an object store: rank 0 may have written it on another node
         tok.save_pretrained(out)
         final = dict(metrics)
         if trend["reward"]:  # the run's learning curve in two numbers (over every iteration, resumed ones too)

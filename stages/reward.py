@@ -31,6 +31,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pipeline.errors import UserError
+from pipeline.stage import StageContext
 from stages.common.deepspeed import TrainingConfig
 
 
@@ -152,14 +153,13 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from pipeline import storage
     from stages.common import models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
-    init = storage.localize(c["init"])  # a node without a shared run_dir pulls it from the object store
+    init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
     model = AutoModelForSequenceClassification.from_pretrained(init, num_labels=1, dtype=torch.float32,
                                                                **models.SAFE_LOAD)
     model.config.pad_token_id = c["pad_id"]  # the classifier reads the last non-pad token
@@ -235,7 +235,7 @@ def train_loop(c: dict) -> None:
 # --------------------------------------------------------------------------- the stage
 
 
-def run(cfg: RewardConfig, ctx) -> dict[str, Path]:
+def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer and export the HF sequence-classification model."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import load_tokenizer
@@ -261,8 +261,8 @@ def run(cfg: RewardConfig, ctx) -> dict[str, Path]:
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
         "run_id": ctx.run_id,
-    }, cfg, {"train": read_parquet(data / "train"), "eval": read_parquet(data / "eval")},
-        ctx.checkpoint_dir, gpu, ctx.train_callbacks())
+    }, cfg, {"train": read_parquet(data / "train", ctx.storage), "eval": read_parquet(data / "eval", ctx.storage)},
+        ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok)
     ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}, "

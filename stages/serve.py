@@ -27,6 +27,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
+from pipeline.stage import StageContext
 from stages.common.serving import EngineConfig
 
 APP = "posttrain"  # the Serve application's name
@@ -351,20 +352,20 @@ def wait_for_interrupt(log, url: str) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def run(cfg: ServeConfig, ctx) -> dict[str, Path]:
+def run(cfg: ServeConfig, ctx: StageContext) -> dict[str, Path]:
     """Register the source model, serve it from the registry, smoke-test it, then stop (or block)."""
     from stages.common.model_registry import fetch, register
 
     upstream = ctx.upstream.get(cfg.source, {})
-    tags = {"pipeline_run_id": ctx.tracker.parent_id, "stage_run_id": ctx.run_id, "source": cfg.source,
+    tags = {"pipeline_run_id": ctx.pipeline_run_id, "stage_run_id": ctx.run_id, "source": cfg.source,
             "source_cache_key": upstream.get("key", ""), "serve_cache_key": ctx.out_dir.name,
             "run_dir": str(ctx.pipeline.run_dir), **key_tags(upstream.get("metrics", {}), cfg.registry.metric_tags)}
-    info = register(ctx.tracker.client, cfg.registry.model_name, cfg.registry.alias, ctx.inputs[cfg.source],
+    info = register(ctx.mlflow_client(), cfg.registry.model_name, cfg.registry.alias, ctx.inputs[cfg.source],
                     ctx.run_id, tags)
     ctx.progress(f"{'registered new' if info['new_version'] else 'model unchanged: kept'} version {info['version']} "
                  f"of {info['name']}; {info['uri']} points to it")
-    ctx.tracker.set_tags(ctx.run_id, {"registered_model": info["name"], "registered_version": str(info["version"]),
-                                      "model_uri": info["uri"]})
+    ctx.set_tags({"registered_model": info["name"], "registered_version": str(info["version"]),
+                  "model_uri": info["uri"]})
     ctx.log_metrics({"registered_version": info["version"], "new_version": int(info["new_version"])})
     out = ctx.out_dir / "registered_model.json"
     if cfg.deploy:

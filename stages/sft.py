@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import Field
 
 from pipeline.errors import UserError
+from pipeline.stage import StageContext
 from stages.common.deepspeed import TrainingConfig
 
 
@@ -80,14 +81,13 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipeline import storage
     from stages.common import models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = SFTConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
-    base = storage.localize(c["base"])  # a node without a shared run_dir pulls it from the object store
+    base = c["storage"].localize(c["base"])  # a node without a shared run_dir pulls it from the object store
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **models.SAFE_LOAD)
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
@@ -161,7 +161,7 @@ def _read_rows(path: Path, n: int) -> list[dict]:
     return pq.ParquetDataset(files).read().to_pylist()[:n] if files and n else []
 
 
-def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
+def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import greedy_accuracy, load_tokenizer
@@ -186,8 +186,8 @@ def run(cfg: SFTConfig, ctx) -> dict[str, Path]:
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
         "run_id": ctx.run_id,
-    }, cfg, {"train": read_parquet(data / "train"), "eval": read_parquet(data / "eval")},
-        ctx.checkpoint_dir, gpu, ctx.train_callbacks())
+    }, cfg, {"train": read_parquet(data / "train", ctx.storage), "eval": read_parquet(data / "eval", ctx.storage)},
+        ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok)
     prompts = _read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)

@@ -49,6 +49,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.schema import Section
+from pipeline.stage import StageContext
 
 TARGETS = ("sft", "reward", "ppo")
 # What each target reports (to Tune and MLflow); a sweep's metric must be one of these.
@@ -195,7 +196,8 @@ def best_trial(rows: list[dict], metric: str, mode: str) -> dict | None:
 
 @dataclass
 class TrialContext:
-    """What the target stage sees inside a trial: the same fields as the runner's StageContext."""
+    """The stage interface (`pipeline.stage.StageContext`) inside a trial: the target stage's run is
+    the trial's nested MLflow run, and what it logs is also reported to Tune."""
 
     name: str
     pipeline: Any
@@ -203,24 +205,38 @@ class TrialContext:
     checkpoint_dir: Path
     inputs: dict[str, Path]
     run_id: str
+    storage: Any  # pipeline.storage.RunStorage
+    experiment_id: str
+    pipeline_run_id: str
+    upstream: dict[str, dict] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     last_step: int = 0
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+    def mlflow_client(self):
         from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.pipeline.tracking_uri)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         from ray import tune
 
         from pipeline.tracking import log_metrics
 
         self.metrics.update(metrics)
         self.last_step = max(self.last_step, step or 0)
-        log_metrics(MlflowClient(self.pipeline.tracking_uri), self.run_id, metrics, step)
+        log_metrics(self.mlflow_client(), self.run_id, metrics, step)
         tune.report({**metrics, TIME_ATTR: step or 0})  # PPO's per-iteration results reach ASHA here
 
     def log_dict(self, data: Any, name: str) -> None:
-        from mlflow.tracking import MlflowClient
+        self.mlflow_client().log_dict(self.run_id, data, name)
 
-        MlflowClient(self.pipeline.tracking_uri).log_dict(self.run_id, data, name)
+    def log_artifact(self, path: Path) -> None:
+        self.mlflow_client().log_artifact(self.run_id, str(path))
+
+    def set_tags(self, tags: dict[str, str], run_id: str | None = None) -> None:
+        client = self.mlflow_client()
+        for k, v in tags.items():
+            client.set_tag(run_id or self.run_id, k, v)
 
     def progress(self, message: str) -> None:
         print(f"{self.name}: {message}", flush=True)
@@ -240,11 +256,9 @@ def _trial(config: dict, setup: dict) -> None:
     from mlflow.tracking import MlflowClient
     from ray import tune
 
-    from pipeline import storage
     from pipeline.schema import flatten, with_values
     from pipeline.tracking import log_params
 
-    os.environ.update(setup["storage_env"])  # the object store, if any: Tune's actors may predate it
     pipeline = setup["pipeline"]  # the PipelineConfig itself (pickled by Tune): no import of pipeline.config here
     trial_id = tune.get_context().get_trial_id()
     client = MlflowClient(pipeline.tracking_uri)
@@ -257,16 +271,18 @@ def _trial(config: dict, setup: dict) -> None:
         cfg = with_values(base, params, prefix=f"stages.{setup['target']}")
         log_params(client, run_id, flatten(cfg.model_dump(mode="json")))
         work = Path(setup["work_dir"]) / trial_id
-        ctx = TrialContext(f"{setup['target']} trial {trial_id}", pipeline, work / "out", work / "checkpoints",
-                           {k: storage.localize(v) for k, v in setup["inputs"].items()}, run_id)
-        shutil.rmtree(ctx.out_dir, ignore_errors=True)
-        ctx.out_dir.mkdir(parents=True)
+        run_storage = setup["storage"]
+        trial_ctx = TrialContext(f"{setup['target']} trial {trial_id}", pipeline, work / "out", work / "checkpoints",
+                           {k: run_storage.localize(v) for k, v in setup["inputs"].items()}, run_id, run_storage,
+                           setup["experiment_id"], setup["pipeline_run_id"], setup["upstream"])
+        shutil.rmtree(trial_ctx.out_dir, ignore_errors=True)
+        trial_ctx.out_dir.mkdir(parents=True)
         import ray.data
 
         ray.data.DataContext.get_current().enable_progress_bars = False  # trial logs are forwarded, not a terminal
-        importlib.import_module(f"stages.{setup['target']}").run(cfg, ctx)
-        tune.report({**{k: v for k, v in ctx.metrics.items() if isinstance(v, (int, float))},
-                     TIME_ATTR: ctx.last_step, "trial_completed": 1})
+        importlib.import_module(f"stages.{setup['target']}").run(cfg, trial_ctx)
+        tune.report({**{k: v for k, v in trial_ctx.metrics.items() if isinstance(v, (int, float))},
+                     TIME_ATTR: trial_ctx.last_step, "trial_completed": 1})
     except Exception as exc:
         client.set_tag(run_id, "trial_status", "failed")
         client.set_tag(run_id, "error", f"{type(exc).__name__}: {exc}"[:5000])
@@ -329,8 +345,8 @@ def _scheduler(cfg: TuneConfig):
 
 def _trial_runs(ctx) -> dict[str, Any]:
     """{Tune trial id: MLflow run} of this stage's nested trial runs."""
-    runs = ctx.tracker.client.search_runs([ctx.tracker.experiment_id],
-                                          filter_string=f"tags.mlflow.parentRunId = '{ctx.run_id}'", max_results=10000)
+    runs = ctx.mlflow_client().search_runs([ctx.experiment_id],
+                                           filter_string=f"tags.mlflow.parentRunId = '{ctx.run_id}'", max_results=10000)
     return {r.data.tags["tune_trial_id"]: r for r in runs if "tune_trial_id" in r.data.tags}
 
 
@@ -362,10 +378,9 @@ def _finalise(ctx, grid, cfg: TuneConfig) -> list[dict]:
         rows.append(row)
         if run is None:
             continue
-        client = ctx.tracker.client
-        client.set_tag(run.info.run_id, "trial_status", status)
+        ctx.set_tags({"trial_status": status}, run.info.run_id)
         if status != "failed":  # a failed trial ended its own run, with the error
-            client.set_terminated(run.info.run_id, "FINISHED" if status == "completed" else "KILLED")
+            ctx.mlflow_client().set_terminated(run.info.run_id, "FINISHED" if status == "completed" else "KILLED")
     return sorted(rows, key=lambda r: str(r["trial_id"]))
 
 
@@ -377,20 +392,19 @@ def _write_results(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
-def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
+def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
     """Sweep the target stage with Ray Tune; write the best trial's values and a results table."""
     from ray import tune
 
-    from pipeline import storage
     from pipeline.errors import UserError
 
     ctx.ray()
     work = ctx.checkpoint_dir / "trials"
-    tune_storage, tune_fs = storage.target(ctx.checkpoint_dir / "tune")
+    tune_storage, tune_fs = ctx.storage.target(ctx.checkpoint_dir / "tune")
     setup = {"target": cfg.target, "pipeline": ctx.pipeline,
              "inputs": {k: str(v) for k, v in ctx.inputs.items()}, "work_dir": str(work),
-             "experiment_id": ctx.tracker.experiment_id, "parent_run_id": ctx.run_id,
-             "storage_env": storage.worker_env()}
+             "experiment_id": ctx.experiment_id, "parent_run_id": ctx.run_id,
+             "pipeline_run_id": ctx.pipeline_run_id, "upstream": ctx.upstream, "storage": ctx.storage}
     trainable = tune.with_resources(tune.with_parameters(_trial, setup=setup),
                                     {"cpu": cfg.resources_per_trial.cpu, "gpu": cfg.resources_per_trial.gpu})
     ctx.progress(f"sweeping {cfg.target} over {', '.join(cfg.search_space)}: {cfg.num_samples} samples, "
@@ -417,11 +431,11 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
     except BaseException:  # interrupted (Ctrl-C, SIGTERM) or Tune itself failed: no trial run stays RUNNING
         for run in _trial_runs(ctx).values():
             if run.info.status == "RUNNING":
-                ctx.tracker.client.set_terminated(run.info.run_id, "KILLED")
+                ctx.mlflow_client().set_terminated(run.info.run_id, "KILLED")
         raise
     rows = _finalise(ctx, grid, cfg)
     _write_results(ctx.out_dir / "results.csv", rows)
-    ctx.tracker.log_artifact(ctx.run_id, ctx.out_dir / "results.csv")
+    ctx.log_artifact(ctx.out_dir / "results.csv")
     counts = {s: sum(r["status"] == s for r in rows) for s in ("completed", "stopped_early", "failed")}
     for r in rows:
         value = r[cfg.metric]
@@ -441,14 +455,14 @@ def run(cfg: TuneConfig, ctx) -> dict[str, Path]:
                    "value": best[cfg.metric], "trial_id": best["trial_id"], "mlflow_run_id": best["mlflow_run_id"]}
     (ctx.out_dir / "best_config.json").write_text(json.dumps(best_config, indent=2, default=str))
     if best["mlflow_run_id"]:
-        ctx.tracker.set_tags(best["mlflow_run_id"], {"best_trial": "true"})
-    ctx.tracker.set_tags(ctx.run_id, {"best_trial_run_id": str(best["mlflow_run_id"]),
-                                      "best_params": json.dumps(params, default=str)})
+        ctx.set_tags({"best_trial": "true"}, best["mlflow_run_id"])
+    ctx.set_tags({"best_trial_run_id": str(best["mlflow_run_id"]),
+                  "best_params": json.dumps(params, default=str)})
     ctx.log_metrics({f"best_{cfg.metric}": best[cfg.metric], "trials": len(rows), "sweep_s": time.time() - t0,
                      **{f"trials_{k}": v for k, v in counts.items()}})
     ctx.progress(f"best trial {best['trial_id']}: {cfg.metric} {best[cfg.metric]:.4g} with {params} "
                  f"({counts['completed']} completed, {counts['stopped_early']} stopped early, {counts['failed']} failed, "
                  f"{time.time() - t0:.0f}s)")
     shutil.rmtree(work, ignore_errors=True)  # trial models and checkpoints: only the chosen values are kept
-    storage.drop_path(work)  # (and their copies in the object store, if any)
+    ctx.storage.drop_path(work)  # (and their copies in the object store, if any)
     return {"best_config": ctx.out_dir / "best_config.json"}

@@ -34,13 +34,20 @@ def _artifact(run_dir: Path, stage: str, key: str, payload: bytes) -> Path:
 
 
 @pytest.fixture()
-def active_store(s3, tmp_path, request):
-    from pipeline import storage
+def node_storage(s3, tmp_path, request):
+    """The `RunStorage` a worker on another node receives: its own run_dir, the shared bucket.
+
+    Pickled and unpickled, as Ray ships it to an actor."""
+    import pickle
+
+    from pipeline.storage import RunStorage
 
     store = s3.store(request.node.name)
-    storage.activate(store, tmp_path / "node")
-    yield store
-    storage.activate(None, tmp_path / "node")
+    value = RunStorage(tmp_path / "node", store.uri, store.endpoint_url, store.region)
+    assert value.store is not None  # builds (and caches) an S3 client ...
+    shipped = pickle.loads(pickle.dumps(value))
+    assert "store" not in shipped.__dict__ and shipped == value  # ... which stays behind; the value travels
+    return shipped
 
 
 # --------------------------------------------------------------------------- units
@@ -89,24 +96,24 @@ def test_a_pull_replaces_partial_local_output(s3, tmp_path):
     assert (partial / "model" / "weights.bin").read_bytes() == b"good" and not (partial / "stray.tmp").exists()
 
 
-def test_a_worker_pulls_the_artifact_its_node_lacks(active_store, tmp_path):
+def test_a_worker_pulls_the_artifact_its_node_lacks(node_storage, tmp_path):
     from pipeline import storage
 
+    active_store = node_storage.store
     _artifact(tmp_path / "driver", "sft", "k", b"weights")
     storage.push_artifact(active_store, tmp_path / "driver", "sft", "k")
     wanted = tmp_path / "node" / "artifacts" / "sft" / "k" / "model"
-    assert storage.localize(wanted) == wanted and (wanted / "weights.bin").read_bytes() == b"weights"
+    assert node_storage.localize(wanted) == wanted and (wanted / "weights.bin").read_bytes() == b"weights"
     with pytest.raises(FileNotFoundError, match=rf"nowhere.*neither on this node nor in {active_store.uri}"):
-        storage.localize(tmp_path / "node" / "artifacts" / "sft" / "nowhere" / "model")
+        node_storage.localize(tmp_path / "node" / "artifacts" / "sft" / "nowhere" / "model")
     # Ray Data and Ray Train address run_dir paths in the bucket; other paths stay local.
-    where, fs = storage.target(tmp_path / "node" / "checkpoints" / "sft" / "k")
+    where, fs = node_storage.target(tmp_path / "node" / "checkpoints" / "sft" / "k")
     assert where == active_store.path("checkpoints/sft/k") and fs is not None
-    assert storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
+    assert node_storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
 
 
-def test_checkpoint_files_meet_in_the_bucket_and_reach_a_machine_without_them(active_store, tmp_path):
-    from pipeline import storage
-
+def test_checkpoint_files_meet_in_the_bucket_and_reach_a_machine_without_them(node_storage, tmp_path):
+    storage, active_store = node_storage, node_storage.store
     ckpt = tmp_path / "node" / "checkpoints" / "ppo" / "k"
     (ckpt / "iter_00001" / "policy").mkdir(parents=True)
     (ckpt / "iter_00001" / "policy" / "shard0.pt").write_bytes(b"a" * 10)  # each rank pushes what it wrote

@@ -74,12 +74,7 @@ class ModelGroup:
 
         from stages.common.deepspeed import backend
 
-        from pipeline.storage import worker_env
-
         self.name = name
-        if worker_env():  # the object store, for ranks that pull their model and checkpoints
-            runtime_env = {**(runtime_env or {}),
-                           "env_vars": {**worker_env(), **(runtime_env or {}).get("env_vars", {})}}
         bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if gpu else {})}
         self.pg = placement_group([bundle] * num_ranks, strategy=strategy, name=f"{name}-group")
         ray.get(self.pg.ready(), timeout=300)

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.storage import RunStorage
 
 ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
 RAY_DEFAULT_READERS = 32
@@ -26,16 +30,15 @@ def footer_readers(path: str | Path) -> int | None:
     return max(1, min(RAY_DEFAULT_READERS, files))
 
 
-def read_parquet(path: str | Path):
+def read_parquet(path: str | Path, run_storage: RunStorage | None = None):
     """`ray.data.read_parquet(path)`, with the footer-reader pool sized by `footer_readers`.
 
-    Ray reads the setting when the read is planned (here, in the caller), so it is set only around
-    this call and the caller's environment is left as it was."""
+    A path of the run's artifacts is read from the bucket when `run_storage` has one, so read tasks
+    work on any node. Ray reads the pool setting when the read is planned (here, in the caller), so
+    it is set only around this call and the caller's environment is left as it was."""
     import ray.data
 
-    from pipeline import storage
-
-    where, fs = storage.target(path)  # with a store: from the bucket, so read tasks work on any node
+    where, fs = run_storage.target(path) if run_storage is not None else (str(path), None)
     if fs is not None:
         return ray.data.read_parquet(where, filesystem=fs)
     readers = footer_readers(path)

@@ -52,16 +52,17 @@ class PPOWorker(Workhorse):
     # --------------------------------------------------------------- set-up
 
     def setup(self, spec: dict) -> int:
-        """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed."""
+        """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed, and
+        storage (the run's `RunStorage`: where to pull the model from and push checkpoints to)."""
         import deepspeed
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-        from pipeline.storage import localize
         from stages.common.models import SAFE_LOAD, count_parameters, load_tokenizer
 
         torch.manual_seed(spec["seed"] + self.rank)
-        spec = {**spec, "model_dir": str(localize(spec["model_dir"]))}  # pulled if this node lacks it
+        self.storage = spec["storage"]
+        spec = {**spec, "model_dir": str(self.storage.localize(spec["model_dir"]))}  # pulled if this node lacks it
         self.spec, self.kind = spec, spec["kind"]
         self.generator = torch.Generator().manual_seed(spec["seed"] * 1000 + self.rank)
         if self.kind == "causal":
@@ -222,25 +223,20 @@ class PPOWorker(Workhorse):
     def save(self, directory: str) -> None:
         import deepspeed.comm as dist
 
-        from pipeline import storage
-
         self.engine.save_checkpoint(directory, tag="ds", exclude_frozen_parameters=False)
         dist.barrier()  # every rank's files are complete before any rank uploads what it sees
-        storage.push_path(directory)  # with an object store: the ranks' shards meet in the bucket
+        self.storage.push_path(directory)  # with an object store: the ranks' shards meet in the bucket
 
     def load(self, directory: str) -> None:
-        from pipeline import storage
-
-        storage.pull_path(directory)  # with an object store: the shards other nodes wrote
+        self.storage.pull_path(directory)  # with an object store: the shards other nodes wrote
         self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
 
     def save_hf(self, directory: str) -> None:
-        from pipeline import storage
         from stages.common.training import save_hf
 
         save_hf(self.engine, Path(directory), self.rank)
         if self.rank == 0:
-            storage.push_path(directory)  # the driver, maybe on another node, pulls it from the bucket
+            self.storage.push_path(directory)  # the driver, maybe on another node, pulls it from the bucket
 
 
 def _chunks(batch: dict, size: int):

@@ -133,14 +133,12 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.3
     num_cpus: float = 1.0
     env: dict[str, str] = field(default_factory=dict)
+    storage: Any = None  # the run's pipeline.storage.RunStorage, for an engine that pulls its model (None: local)
 
     def runtime_env(self) -> dict:
-        from pipeline.storage import worker_env
-
-        # Read by vLLM at import and engine start, so they must be in the actor's environment
-        # (and the object store, for an engine that pulls its model).
+        # Read by vLLM at import and engine start, so they must be in the actor's environment.
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gb))),
-               "TOKENIZERS_PARALLELISM": "false", **worker_env(), **self.env}
+               "TOKENIZERS_PARALLELISM": "false", **self.env}
         return {"env_vars": env}
 
 
@@ -151,14 +149,13 @@ class RolloutEngine:
         import torch
         from vllm import LLM
 
-        from pipeline.storage import localize
-
         if not spec.gpu:
             # One engine per logical CPU slot; let its matmuls use the cores Ray gave it.
             torch.set_num_threads(max(1, int(spec.num_cpus)))
         self.index = index
         self.llm = LLM(
-            model=str(localize(model_dir)),  # pulled from the object store if this node lacks it
+            # pulled from the object store if this node lacks it
+            model=str(spec.storage.localize(model_dir) if spec.storage is not None else model_dir),
             dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
             distributed_executor_backend="uni", enforce_eager=not spec.gpu,
             gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,

@@ -17,9 +17,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from stages.common.deepspeed import TrainingConfig, backend, device_env
+
+if TYPE_CHECKING:
+    from pipeline.storage import RunStorage
 
 STATE_FILE = "trainer_state.json"
 DS_TAG = "ds"
@@ -28,23 +31,23 @@ DS_TAG = "ds"
 # --------------------------------------------------------------------------- driver side
 
 
-def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, datasets: dict, storage: Path,
-        gpu: bool, callbacks: list | tuple = ()):
+def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, datasets: dict, checkpoints: Path,
+        run_storage: RunStorage, gpu: bool, callbacks: list | tuple = ()):
     """Run `loop` on `tcfg.num_workers` Ray Train workers; return the Ray Train `Result`.
 
-    `callbacks` are Ray Train callbacks, e.g. Tune's `TuneReportCallback` inside a sweep's trial.
+    `loop_config` reaches every worker; it carries `run_storage` under "storage" for workers that
+    pull their inputs (`c["storage"].localize(path)`). `callbacks` are Ray Train callbacks, e.g.
+    Tune's `TuneReportCallback` inside a sweep's trial.
     """
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from pipeline import storage as object_storage
-
     # With an object store the checkpoints live in the bucket (any node's restarted workers read
     # them there); otherwise in the local (or shared) checkpoint directory.
-    storage_path, storage_fs = object_storage.target(storage)
+    storage_path, storage_fs = run_storage.target(checkpoints)
     if storage_fs is None:
-        storage.mkdir(parents=True, exist_ok=True)
+        checkpoints.mkdir(parents=True, exist_ok=True)
     # Not split by Ray Train: every worker reads the whole split in file order and keeps its slice
     # of each global batch (`rank_batches`). Ray Data's `streaming_split` (materialised or not)
     # hands blocks to workers in an order that depends on how the read was partitioned at the
@@ -55,7 +58,7 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
         ds.context.enable_progress_bars = False
     trainer = TorchTrainer(
         loop,
-        train_loop_config=loop_config,
+        train_loop_config={**loop_config, "storage": run_storage},
         torch_config=TorchConfig(backend=backend(gpu)),
         scaling_config=ScalingConfig(num_workers=tcfg.num_workers, use_gpu=gpu,
                                      placement_strategy=tcfg.placement_strategy),
@@ -69,9 +72,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
             checkpoint_config=CheckpointConfig(num_to_keep=tcfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=tcfg.max_failures),
             callbacks=list(callbacks),
-            # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests; the
-            # object store, for workers that pull their inputs.
-            worker_runtime_env={"env_vars": {**device_env(gpu), **object_storage.worker_env(), **{
+            # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
+            worker_runtime_env={"env_vars": {**device_env(gpu), **{
                 k: v for k, v in os.environ.items() if k.startswith("PIPELINE_FAULT_")}}},
         ),
     )

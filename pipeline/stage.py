@@ -1,0 +1,114 @@
+"""The stage interface: what a stage module provides, and what it may use of the pipeline.
+
+A stage is a module (`stages/<name>.py`, or a package such as `stages/ppo/`) that the registry
+(`pipeline/registry.py`) names. It provides
+
+    run(cfg: <its config section>, ctx: StageContext) -> dict[str, Path]    # required
+    raw_inputs(pipeline_cfg: PipelineConfig) -> list[Path]                    # optional hook
+    always_runs(cfg: <its config section>) -> str | None                      # optional hook
+
+`run` writes its outputs under `ctx.out_dir` and returns {output name: path} for every output
+the registry lists. It talks to the rest of the system only through `ctx`: its inputs, its
+directories, the run-wide storage (to hand to the workers it starts), logging and Ray.
+
+Two contexts implement `StageContext`: the runner's (`pipeline.runner.RunContext`, one per
+stage run, logging to the stage's nested MLflow run) and a sweep trial's
+(`stages.tune.TrialContext`, which runs a target stage's `run` inside a Ray Tune trial and also
+reports to Tune). A stage cannot tell them apart, which is why a sweep runs the real training.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.config import PipelineConfig
+    from pipeline.storage import RunStorage
+
+
+class StageContext(Protocol):
+    """What a stage sees of the pipeline while it runs."""
+
+    name: str  # the stage's name (a trial's: "sft trial <id>"), for progress lines
+    pipeline: PipelineConfig  # the whole validated config; read only the sections the registry lists
+    out_dir: Path  # an empty directory for this run's outputs (the artifact, once a manifest is written)
+    checkpoint_dir: Path  # survives a failed attempt: resume state goes here, keyed like the artifact
+    inputs: dict[str, Path]  # {input artifact name: path}, e.g. {"sft_model": .../model}
+    upstream: dict[str, dict]  # {input artifact name: manifest of the stage that made it}
+    storage: RunStorage  # run_dir and the bucket of record; pass it to every worker the stage starts
+    run_id: str  # this stage's MLflow run
+    metrics: dict[str, float]  # every metric logged so far (the manifest keeps them)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Record metrics on the stage's MLflow run (and, in a trial, report them to Tune)."""
+
+    def log_dict(self, data: Any, name: str) -> None:
+        """Attach a JSON document (e.g. the effective DeepSpeed config) to the stage's MLflow run."""
+
+    def log_artifact(self, path: Path) -> None:
+        """Attach a file to the stage's MLflow run."""
+
+    def set_tags(self, tags: dict[str, str], run_id: str | None = None) -> None:
+        """Tag the stage's MLflow run, or one of its nested runs (a sweep's trials)."""
+
+    def mlflow_client(self) -> MlflowClient:
+        """The MLflow client of this run's tracking store, for what the named methods do not cover
+        (registering a model, searching a sweep's trial runs)."""
+
+    @property
+    def experiment_id(self) -> str:
+        """The MLflow experiment the stage's run belongs to."""
+
+    @property
+    def pipeline_run_id(self) -> str:
+        """The MLflow run of the whole pipeline run (the stage run's parent)."""
+
+    def progress(self, message: str) -> None:
+        """One progress line for the person watching."""
+
+    def ray(self) -> None:
+        """Connect to Ray (started on first use; a fully cached rerun never starts it)."""
+
+    def train_callbacks(self) -> list:
+        """Extra Ray Train callbacks for the stage's TorchTrainer (a trial adds Tune's reporter)."""
+
+
+def _no_raw_inputs(pipeline_cfg: Any) -> list[Path]:
+    """Default `raw_inputs`: the stage reads no files from outside the run directory."""
+    return []
+
+
+def _cached_normally(cfg: Any) -> str | None:
+    """Default `always_runs`: None, i.e. a finished artifact under the stage's key is reused."""
+    return None
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A loaded stage module with both optional hooks filled in (this is the one place that looks them up).
+
+    - `raw_inputs(pipeline_cfg)`: files outside the run directory the stage reads (user data, a
+      local checkpoint); their fingerprints are part of its cache key, so editing one reruns it.
+    - `always_runs(cfg)`: a reason to run even on a cache hit (e.g. serve with `block: true`, whose
+      point is the running server), or None.
+    """
+
+    module: ModuleType
+    run: Callable[[Any, StageContext], dict[str, Path]]
+    raw_inputs: Callable[[Any], list[Path]]
+    always_runs: Callable[[Any], str | None]
+
+
+def load(module_name: str) -> Stage:
+    """The stage module `module_name` (e.g. 'stages.sft') as a `Stage`; a module without `run` is an error."""
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, "run", None)):
+        raise TypeError(f"stage module {module_name} has no run(cfg, ctx) function")
+    return Stage(module, module.run, getattr(module, "raw_inputs", _no_raw_inputs),
+                 getattr(module, "always_runs", _cached_normally))
