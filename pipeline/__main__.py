@@ -103,7 +103,7 @@ def _print_plan(plan, console) -> None:
     colour = {"hit": "green", "miss": "yellow", "skip": "dim"}
     for i, p in enumerate(plan, 1):
         why = p.reason if p.status != "skip" else f"not selected ({'done' if p.finished else 'not done'})"
-        table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key, why)
+        table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key or "(not yet known)", why)
     console.print(table)
 
 
@@ -119,61 +119,21 @@ def _serve(cfg, args, console) -> int:
 
     check_reachable(cfg.tracking_uri)
     serve_model(cfg.stages.serve, args.model or _default_model(cfg), cfg.tracking_uri, cfg.run_dir / "registry_cache",
-                cfg.ray, lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] serve: {m}"))
+                cfg.ray, _logger("serve", console))
     return 0
 
 
 def _batch_infer(cfg, args, console) -> int:
-    """Batch inference outside the stage graph: any registered model, any prompts file, its own MLflow run."""
-    from pipeline.cluster import ensure_ray, shutdown_ray
-    from pipeline.config import flatten
-    from pipeline.tracking import Tracker
-    from stages.batch_infer import BatchInferConfig, infer
-    from stages.common.model_registry import fetch
+    from stages.batch_infer import infer_registered
 
-    section = cfg.stages.batch_infer or BatchInferConfig()
-    if args.prompts is not None:
-        section = BatchInferConfig.model_validate({**section.model_dump(), "prompts": args.prompts})
-    if section.prompts is None:
-        raise UserError("batch-infer: no prompts; pass --prompts FILE or set stages.batch_infer.prompts")
-    output = (args.output or cfg.run_dir / "batch_infer" / time.strftime("%Y%m%d-%H%M%S")).absolute()
-    if output.exists() and any(output.iterdir()):
-        raise UserError(f"--output {output}: exists and is not empty; give a new directory (nothing is overwritten)")
-    model = args.model or _default_model(cfg)
-    cache = cfg.run_dir / "registry_cache"
-    model_dir = fetch(model, cfg.tracking_uri, cache)
-    reward_dir = fetch(args.reward_model, cfg.tracking_uri, cache) if args.reward_model else None
-    if section.score.reward_model and reward_dir is None:
-        raise UserError("stages.batch_infer.score.reward_model is on: pass --reward-model URI|DIR, or turn it off")
-    log = lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] batch-infer: {m}")  # noqa: E731
-    tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name="batch-infer",
-                      tags={"model_uri": model, "prompts": str(section.prompts), "output": str(output)})
-    from pipeline.tracking import log_params
-
-    log_params(tracker.client, tracker.parent_id, flatten(section.model_dump(mode="json")))
-    started, status = ensure_ray(cfg.ray), "FAILED"
-    tmp = output.with_name(f".{output.name}.partial")
-    try:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed)
-        if output.exists():  # an empty directory the user made for it
-            output.rmdir()
-        tmp.rename(output)
-        tracker.log_metrics(tracker.parent_id, summary)
-        tracker.log_artifact(tracker.parent_id, output / "summary.json")
-        status = "FINISHED"
-    except KeyboardInterrupt:
-        status = "KILLED"
-        raise
-    finally:
-        tracker.end(tracker.parent_id, status)
-        if started:
-            shutdown_ray()
+    summary, output = infer_registered(cfg, args.model or _default_model(cfg), args.prompts, args.output,
+                                       args.reward_model, _logger("batch-infer", console))
     console.print(f"[bold green]done[/]: {summary['rows']} rows ({summary['rows_failed']} failed) in {output}")
     return 0
+
+
+def _logger(name: str, console):
+    return lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {name}: {m}")
 
 
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -195,7 +155,7 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
             status = "skip"
         else:
             status = "failed" if summary.get("running") == name else "not_run"
-        out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
+        out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key) if p.key else None
         stages.append({
             "name": name, "status": status, "reason": p.reason, "cache_key": p.key,
             "duration_s": summary.get("durations", {}).get(name),
@@ -315,13 +275,9 @@ def _command(args, console, state: dict) -> int:
 
     selection = {"only": args.only, "from_": args.from_, "to": args.to, "force": args.force}
     if args.command == "submit":
-        from pipeline.registry import stages_for
-        from pipeline.runner import ordered, select
+        from pipeline.runner import selection as validate_selection
 
-        stages = ordered(stages_for(cfg))
-        select(stages, args.only, args.from_, args.to)  # bad stage names fail here, not on the cluster
-        for name in set(args.force) - {"all"}:
-            select(stages, only=[name])
+        validate_selection(cfg, **selection)  # bad stage names fail here, not on the cluster
         job_id = jobs.submit(cfg, args.config, args.address, selection, console)
         print(job_id)
         return jobs.wait(args.address, job_id, console) if args.wait else 0

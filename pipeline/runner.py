@@ -29,13 +29,10 @@ from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
 from pipeline.stage import load as load_stage
 
-PENDING = "pending"  # the upstream of a stage whose tuned values are not known yet (its sweep has not run)
-
-
 @dataclass
 class PlannedStage:
     spec: StageSpec
-    key: str
+    key: str | None  # None: not knowable yet (it takes the values of a sweep that has not run)
     components: dict
     status: str  # "hit", "miss" or "skip" (not selected)
     reason: str
@@ -44,8 +41,8 @@ class PlannedStage:
 
     @property
     def pending(self) -> bool:
-        """Its key waits for a sweep's outcome; the runner plans it again once the sweep has run."""
-        return str(self.components["upstream"].get("best_config", "")).startswith(PENDING)
+        """Its key waits for an upstream outcome (a sweep's best values); it is keyed when it is reached."""
+        return self.key is None
 
 
 # --------------------------------------------------------------------------- planning
@@ -135,8 +132,6 @@ def _diff(old: dict, new: dict) -> str:
 
 def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
     """Why a stage has no artifact for this key, compared with its last attempt."""
-    if str(comps["upstream"].get("best_config", "")).startswith(PENDING):
-        return "waits for the tune stage's best values (planned again once the sweep has run)"
     last = artifacts.read_json(artifacts.attempt_file(run_dir, spec.name))
     if not last:
         return "never run"
@@ -173,31 +168,31 @@ def tuned_values(run_dir: Path, tune_key: str, store: storage.ObjectStore | None
     return best["params"] if best else None
 
 
-def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None,
-               registry: tuple[StageSpec, ...] | None = None) -> list[PlannedStage]:
-    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing.
+class Planner:
+    """Keys stages one at a time, in order, from the keys of the stages upstream of them.
 
-    A stage that takes a sweep's values (`use_tuned`) is keyed on those values, not on the sweep's
-    key: it reruns exactly when the best values change. Until the sweep has run they are unknown;
-    the stage is then a miss marked `pending`, and `run_pipeline` plans it again after the sweep.
+    `build_plan` keys every stage up front (for `plan`, and to validate a selection before anything
+    runs); `run_pipeline` keys each stage again just before running it, once its upstream stages
+    have run. A stage that takes a sweep's best values (`use_tuned`) is keyed on those values, not
+    on the sweep's key, so it reruns exactly when the best values change; before the sweep has run
+    its key is unknown (None), and so is every key downstream of it.
     """
-    stages = ordered(registry or stages_for(cfg))
-    chosen = select(stages, only, from_, to)
-    forced = {s.name for s in stages} if "all" in force else set(force)
-    for name in forced - {"all"}:
-        select(stages, only=[name])  # validates the name
-    fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
-    store = storage.from_config(cfg)
-    producer = {o: s.name for s in stages for o in s.outputs}
-    keys: dict[str, str] = {}
-    plan = []
-    for spec in stages:
-        upstream = {i: keys[producer[i]] for i in spec.inputs}
+
+    def __init__(self, cfg: PipelineConfig, stages: list[StageSpec], chosen: set[str], forced: set[str], fps):
+        self.cfg, self.stages, self.chosen, self.forced, self.fps = cfg, stages, chosen, forced, fps
+        self.store = storage.from_config(cfg)
+        self.producer = {o: s.name for s in stages for o in s.outputs}
+        self.keys: dict[str, str | None] = {}
+
+    def key(self, spec: StageSpec) -> PlannedStage:
+        cfg = self.cfg
+        status_if = (lambda status: status if spec.name in self.chosen else "skip")
+        upstream = {i: self.keys[self.producer[i]] for i in spec.inputs}
         stage_cfg = get_path(cfg, spec.config)
-        if "best_config" in spec.inputs:
-            values = tuned_values(cfg.run_dir, upstream["best_config"], store)
+        if "best_config" in spec.inputs and upstream["best_config"] is not None:
+            values = tuned_values(cfg.run_dir, upstream["best_config"], self.store)
             if values is None:
-                upstream["best_config"] = f"{PENDING} {upstream['best_config']}"
+                upstream["best_config"] = None
             else:
                 upstream["best_config"] = artifacts.hash_json(values)
                 try:
@@ -205,22 +200,49 @@ def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=
                 except ValueError as exc:
                     raise UserError(f"{spec.config}.use_tuned: the sweep's best values do not fit the current "
                                     f"config ({exc}); rerun the sweep (--force tune) or set use_tuned: false") from None
-        comps = components(cfg, spec, upstream, fps, stage_cfg)
-        key = keys[spec.name] = artifacts.hash_json(comps)
+        unknown = sorted(self.producer[i] for i, k in upstream.items() if k is None)
+        if unknown:
+            self.keys[spec.name] = None
+            why = ("waits for the tune stage's best values (keyed once the sweep has run)" if unknown == ["tune"]
+                   else f"keyed once {', '.join(unknown)} has run")
+            return PlannedStage(spec, None, {"upstream": upstream}, status_if("miss"), why, False, stage_cfg)
+        comps = components(cfg, spec, upstream, self.fps, stage_cfg)
+        key = self.keys[spec.name] = artifacts.hash_json(comps)
         local = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
-        remote = not local and store is not None and storage.remote_manifest(store, spec.name, key) is not None
+        remote = not local and self.store is not None and storage.remote_manifest(self.store, spec.name, key) is not None
         finished = local or remote
         always = load_stage(spec.module).always_runs(stage_cfg)
-        if spec.name in chosen and spec.name in forced:
+        if spec.name in self.chosen and spec.name in self.forced:
             status, reason = "miss", "forced (--force)"
         elif always:
             status, reason = "miss", always
         elif finished:
-            status, reason = "hit", f"cached ({key})" if local else f"cached in {store.uri} ({key})"
+            status, reason = "hit", f"cached ({key})" if local else f"cached in {self.store.uri} ({key})"
         else:
             status, reason = "miss", explain_miss(cfg.run_dir, spec, key, comps)
-        plan.append(PlannedStage(spec, key, comps, status if spec.name in chosen else "skip", reason, finished,
-                                 stage_cfg))
+        return PlannedStage(spec, key, comps, status_if(status), reason, finished, stage_cfg)
+
+
+def selection(cfg: PipelineConfig, only=(), from_=None, to=None, force=(),
+              registry: tuple[StageSpec, ...] | None = None) -> tuple[list[StageSpec], set[str], set[str]]:
+    """(stages in order, the selected names, the forced names); the one place a selection is validated.
+
+    A bad stage name (in --only, --from, --to or --force) is a UserError naming the valid ones."""
+    stages = ordered(registry or stages_for(cfg))
+    chosen = select(stages, only, from_, to)
+    forced = {s.name for s in stages} if "all" in force else set(force)
+    for name in forced:
+        select(stages, only=[name])  # validates the name
+    return stages, chosen, forced
+
+
+def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None,
+               registry: tuple[StageSpec, ...] | None = None, planner: Planner | None = None) -> list[PlannedStage]:
+    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing."""
+    stages, chosen, forced = selection(cfg, only, from_, to, force, registry)
+    fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+    planner = planner or Planner(cfg, stages, chosen, forced, fps)
+    plan = [planner.key(spec) for spec in stages]
     _check_needed(plan, chosen)
     return plan
 
@@ -419,10 +441,16 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+        stages, chosen, forced = selection(cfg, only, from_, to, force, registry)
         plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry)
         fps.save()
         active = [p for p in plan if p.status != "skip"]
         by_name = {p.spec.name: p for p in plan}
+        # Each stage is keyed again just before it runs, from the keys its upstream stages ran with.
+        planner = Planner(cfg, stages, chosen, forced, fps)
+        for p in plan:
+            if p.status == "skip":
+                planner.keys[p.spec.name] = p.key
         producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
         summary = summary if summary is not None else {}
         summary.update({"plan": plan, "stages": {}, "run_ids": {}, "durations": {}, "started_ray": False})
@@ -435,7 +463,10 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         run_storage = storage.RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
         try:
             for i in range(1, len(active) + 1):
-                p = active[i - 1]
+                p = planner.key(active[i - 1].spec)
+                if p.key is None:  # its upstream stages have all run by now, so this cannot happen
+                    raise RuntimeError(f"stage '{p.spec.name}' could not be keyed: {p.reason}")
+                by_name[p.spec.name] = plan[plan.index(active[i - 1])] = active[i - 1] = p
                 name, t0 = p.spec.name, time.time()
                 summary["running"] = name
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] {'[green]hit' if p.status == 'hit' else '[yellow]miss'}"
@@ -472,13 +503,6 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 del summary["running"]
                 run_id = None
                 console.print(f"[bold][{i}/{len(active)}] {name}[/] done in {time.time() - t0:.1f}s")
-                if p.status == "miss" and any(q.pending for q in active[i:]):
-                    # A sweep just ran: plan the stages that take its values again, keyed on the values.
-                    plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry)
-                    replanned = [q for q in plan if q.status != "skip"]
-                    active[i:] = replanned[i:]
-                    by_name = {q.spec.name: q for q in plan}
-                    summary["plan"] = plan
         except KeyboardInterrupt:
             status = "KILLED"
             raise

@@ -281,3 +281,60 @@ def run(cfg: BatchInferConfig, ctx: StageContext) -> dict[str, Path]:
     ctx.log_metrics(summary)
     ctx.log_artifact(ctx.out_dir / "summary.json")
     return {"predictions": ctx.out_dir / "predictions"}
+
+
+# --------------------------------------------------------------------------- outside the stage graph
+
+
+def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None, reward_model: str | None,
+                     log) -> tuple[dict[str, Any], Path]:
+    """`pipeline batch-infer`: any registered model (or model directory) over any prompts file, as its
+    own MLflow run; (summary, output directory).
+
+    `cfg` is the pipeline config: `stages.batch_infer` gives the settings (defaults without it),
+    `prompts` and `output` override them. Results are written into a hidden sibling and renamed
+    into place on success, so a failed run never leaves a half-written `output`; an existing,
+    non-empty `output` is refused (nothing is overwritten)."""
+    import shutil
+
+    from pipeline.cluster import ensure_ray, shutdown_ray
+    from pipeline.schema import flatten
+    from pipeline.tracking import Tracker, log_params
+    from stages.common.model_registry import fetch
+
+    section = cfg.stages.batch_infer or BatchInferConfig()
+    if prompts is not None:
+        section = BatchInferConfig.model_validate({**section.model_dump(), "prompts": prompts})
+    if section.prompts is None:
+        raise UserError("batch-infer: no prompts; pass --prompts FILE or set stages.batch_infer.prompts")
+    output = (output or cfg.run_dir / "batch_infer" / time.strftime("%Y%m%d-%H%M%S")).absolute()
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"--output {output}: exists and is not empty; give a new directory (nothing is overwritten)")
+    cache = cfg.run_dir / "registry_cache"
+    model_dir = fetch(model, cfg.tracking_uri, cache)
+    reward_dir = fetch(reward_model, cfg.tracking_uri, cache) if reward_model else None
+    if section.score.reward_model and reward_dir is None:
+        raise UserError("stages.batch_infer.score.reward_model is on: pass --reward-model URI|DIR, or turn it off")
+    tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name="batch-infer",
+                      tags={"model_uri": model, "prompts": str(section.prompts), "output": str(output)})
+    log_params(tracker.client, tracker.parent_id, flatten(section.model_dump(mode="json")))
+    started, status = ensure_ray(cfg.ray), "FAILED"
+    tmp = output.with_name(f".{output.name}.partial")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed)
+        if output.exists():  # an empty directory the user made for it
+            output.rmdir()
+        tmp.rename(output)
+        tracker.log_metrics(tracker.parent_id, summary)
+        tracker.log_artifact(tracker.parent_id, output / "summary.json")
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.end(tracker.parent_id, status)
+        if started:
+            shutdown_ray()
+    return summary, output

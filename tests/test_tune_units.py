@@ -95,6 +95,9 @@ def test_use_tuned_keys_the_target_on_the_sweeps_values_not_on_the_sweep(tmp_pat
     order = [s for s in p]
     assert order.index("tune") < order.index("sft")  # the sweep runs first when sft takes its values
     assert p["sft"].pending and "waits for the tune stage" in p["sft"].reason
+    # what depends on sft cannot be keyed before it either (keyed once sft has run, not on a placeholder)
+    assert p["reward"].pending and p["reward"].key is None and "keyed once sft has run" in p["reward"].reason
+    assert not p["data"].pending and p["data"].key
 
     _finish_sweep(cfg, {"lr": 0.005})
     cfg, p = plan()
