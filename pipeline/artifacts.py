@@ -47,7 +47,7 @@ def _module_file(module: str) -> Path | None:
     """The source file of a project module, found on disk without importing anything.
 
     (`importlib.util.find_spec` would import the parent modules, e.g. torch through
-    `stages.common.rl` for the name `stages.common.rl.gae`; `plan` must stay light.) A name
+    `stages.ppo.rl` for the name `stages.ppo.rl.gae`; `plan` must stay light.) A name
     that is not a module (`from stages.common.tasks import TaskConfig`) gives None.
     """
     if module.split(".")[0] not in PROJECT_PACKAGES:  # a stage module from elsewhere (plugins, tests)

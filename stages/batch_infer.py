@@ -167,22 +167,14 @@ class RewardScorer:
         self.prompt_field = prompt_field
 
     def __call__(self, batch):
-        import torch
-
-        from stages.common.training import pad
+        from stages.common.models import reward_scores
 
         rewards: list[float | None] = [None] * len(batch)
         prompts, completions = list(batch[self.prompt_field]), list(batch["completion"])
         todo = [i for i, e in enumerate(batch["error"]) if not e]
-        texts = [self.tok.apply_chat_template([{"role": "user", "content": str(prompts[i])},
-                                               {"role": "assistant", "content": str(completions[i])}],
-                                              tokenize=False) for i in todo]
         if todo:
-            ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-            input_ids, attn = pad(ids, self.tok.pad_token_id)
-            with torch.no_grad():
-                scores = self.model(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()
-            for i, s in zip(todo, scores):
+            pairs = [(prompts[i], completions[i]) for i in todo]
+            for i, s in zip(todo, reward_scores(self.model, self.tok, pairs, micro=len(pairs))):
                 rewards[i] = s
         batch["reward"] = rewards
         return batch

@@ -154,18 +154,11 @@ def train_loop(c: dict) -> None:
 # --------------------------------------------------------------------------- the stage
 
 
-def _read_rows(path: Path, n: int) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    files = sorted(path.glob("*.parquet"))
-    return pq.ParquetDataset(files).read().to_pylist()[:n] if files and n else []
-
-
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import greedy_accuracy, load_tokenizer
-    from stages.common.parquet import read_parquet
+    from stages.common.parquet import read_parquet, read_rows
     from stages.common.training import export, fit
 
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
@@ -190,7 +183,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok)
-    prompts = _read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
+    prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
     if prompts:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts")
         metrics["base_accuracy"] = greedy_accuracy(base, prompts, cfg.max_new_tokens)

@@ -5,7 +5,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.common.formats import check_row, locate_problem
+from stages.data.formats import check_row, locate_problem
 
 
 def test_sft_formats():

@@ -9,7 +9,7 @@ from conftest import ROOT
 def test_package_imports_pull_in_no_heavy_packages():
     code = (
         "import sys, pipeline, stages, pipeline.config, pipeline.runner, pipeline.registry, "
-        "stages.data, stages.model, stages.common.models, stages.common.tasks, stages.common.formats; "
+        "stages.data, stages.model, stages.common.models, stages.common.tasks, stages.data.formats; "
         "print(sorted(m for m in ('ray', 'vllm', 'deepspeed', 'torch', 'mlflow', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -79,3 +79,14 @@ def test_no_import_cycles_among_the_project_modules():
     assert "pipeline.config" in graph and "stages.tune" in graph["pipeline.config"]  # the walk sees imports
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_stages_common_holds_only_what_two_or_more_stages_share():
+    """A module used by one stage lives with that stage (stages/ppo/, stages/data/), not in common/."""
+    graph = _project_imports()
+    common = [m for m in graph if m.startswith("stages.common.")]
+    assert "stages.common.training" in common
+    for module in common:
+        users = {m.split(".")[1] for m, deps in graph.items()
+                 if module in deps and m.startswith("stages.") and not m.startswith("stages.common")}
+        assert len(users) >= 2, f"{module} is used by {sorted(users) or 'no stage'} only; move it to that stage"

@@ -35,7 +35,7 @@ def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tm
 
 
 def test_make_batch_aligns_every_response_at_one_column():
-    from stages.ppo import make_batch
+    from stages.ppo.rl import make_batch
 
     b = make_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_id=0)
     assert b["prompt_width"] == 3
@@ -47,7 +47,7 @@ def test_make_batch_aligns_every_response_at_one_column():
 
 
 def test_sign_test_p():
-    from stages.ppo import sign_test_p
+    from stages.ppo.scoring import sign_test_p
 
     assert sign_test_p(0, 0) == 1.0
     assert sign_test_p(5, 5) == 1.0
@@ -59,7 +59,7 @@ def test_sign_test_p():
 
 
 def test_compare_pairs_prompts_before_and_after():
-    from stages.ppo import compare
+    from stages.ppo.scoring import compare
 
     before = {"accuracy": [0, 0, 1, 1, 0], "reward": [0.5, 0.2, 1.0, 0.9, 0.1]}
     after = {"accuracy": [1, 1, 1, 0, 1], "reward": [0.7, 0.2, 1.0, 1.2, 0.3]}
@@ -70,7 +70,7 @@ def test_compare_pairs_prompts_before_and_after():
     assert (m["eval_reward_improved"], m["eval_reward_worsened"]) == (3, 0)
 
 def test_rule_rewards():
-    from stages.ppo import rule_reward
+    from stages.ppo.scoring import rule_reward
 
     verifier = rule_reward("verifier")
     assert verifier("What is 2 + 3?", "2 + 3 = 5", "5") == 1.0
@@ -83,8 +83,8 @@ def test_rule_rewards():
 def test_shard_batch_keeps_every_row_in_order():
     import torch
 
-    from stages.common.groups import shard
-    from stages.common.ppo_worker import shard_batch
+    from stages.ppo.groups import shard
+    from stages.ppo.worker import shard_batch
 
     assert shard(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
     batch = {"input_ids": torch.arange(7)[:, None], "prompt_width": 1}
@@ -96,7 +96,8 @@ def test_shard_batch_keeps_every_row_in_order():
 def test_advantages_dispatch_per_algorithm():
     import torch
 
-    from stages.ppo import PPOConfig, advantages
+    from stages.ppo import PPOConfig
+    from stages.ppo.rl import advantages
 
     scores, mask = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
     kl = torch.zeros(4, 2)
@@ -119,7 +120,8 @@ def test_advantages_dispatch_per_algorithm():
 
 
 def test_slope_and_pad_rows():
-    from stages.ppo import pad_rows, slope
+    from stages.ppo.rl import pad_rows
+    from stages.ppo.scoring import slope
 
     assert slope([0.0, 1.0, 2.0]) == 1.0 and slope([0.5, 0.5, 0.5]) == 0.0 and slope([1.0]) == 0.0
     assert slope([0.2, 0.1, 0.4, 0.3]) == pytest.approx(0.06)  # least squares: sum((i-1.5)(y-0.25)) / 5

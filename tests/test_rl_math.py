@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from stages.common import rl
+from stages.ppo import rl
 
 LN2 = math.log(2)
 

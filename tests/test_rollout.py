@@ -57,8 +57,8 @@ def _logprob_mismatch(engine, model, prompts: list[list[int]]) -> dict[str, floa
     import ray
     import torch
 
-    from stages.common import rl
-    from stages.ppo import make_batch, pad_rows
+    from stages.ppo import rl
+    from stages.ppo.rl import make_batch, pad_rows
 
     samples = ray.get(engine.generate.remote(prompts, {"n": 2, "temperature": 1.0, "max_tokens": 8, "seed": 7,
                                                        "logprobs": 0}))
@@ -78,7 +78,7 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.common.rollout import EnginePool, EngineSpec, weights_to_numpy
+    from stages.ppo.rollout import EnginePool, EngineSpec, weights_to_numpy
 
     prompts, n = _prompts(model_dir), 8
     greedy = {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}
@@ -129,7 +129,7 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
 def test_weights_to_numpy_is_zero_copy_and_keeps_bf16():
     import torch
 
-    from stages.common.rollout import numpy_to_tensors, weights_to_numpy
+    from stages.ppo.rollout import numpy_to_tensors, weights_to_numpy
 
     emb = torch.randn(4, 3)
     state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.randn(3, dtype=torch.bfloat16)}

@@ -136,32 +136,52 @@ def zero_section(ds: DeepSpeedSection) -> dict[str, Any]:
     return zero
 
 
-def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
-    """The DeepSpeed config dict for a run of `total_steps` optimizer steps."""
-    ds = cfg.deepspeed
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    if cfg.lr_schedule == "constant":
-        scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
-                                                    "warmup_num_steps": max(warmup, 1), "warmup_type": "linear"}}
-    elif cfg.lr_schedule == "linear":
-        scheduler = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
-                                                         "warmup_num_steps": max(warmup, 1), "warmup_type": "linear",
-                                                         "total_num_steps": max(total_steps, warmup + 1)}}
-    else:
-        scheduler = {"type": "WarmupCosineLR", "params": {"total_num_steps": max(total_steps, warmup + 1),
-                                                          "warmup_num_steps": max(warmup, 1), "warmup_min_ratio": 0.0,
-                                                          "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}}
-    config = {
-        "train_batch_size": cfg.batch_size,
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum,
-        "gradient_clipping": cfg.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-                                                  "betas": [0.9, 0.95], "eps": 1e-8}},
-        "scheduler": scheduler,
+def engine_config(ds: DeepSpeedSection, micro: int, ranks: int, bf16: bool, batch: int | None = None,
+                  lr: float | None = None, weight_decay: float = 0.0, grad_clip: float | None = None,
+                  scheduler: dict | None = None) -> dict:
+    """The one builder of DeepSpeed config dicts (Ray Train workers and PPO roles alike).
+
+    With `lr`: a trainable engine, AdamW over `batch` rows per optimizer step (accumulating
+    micro-batches of `micro` on each of `ranks` ranks), clipped, with an optional `scheduler`
+    (none: constant lr). Without: a frozen engine for forward passes only, whose batch size
+    DeepSpeed still wants consistent with micro x ranks. The user's raw `ds.extra` is merged last.
+    """
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
         "zero_optimization": zero_section(ds),
         "bf16": {"enabled": bf16},
         "steps_per_print": 10**9,  # progress is ours (MLflow + console), not DeepSpeed's prints
         "wall_clock_breakdown": False,
     }
+    if lr is None:
+        config["train_batch_size"] = micro * ranks
+    else:
+        batch = batch or micro * ranks
+        config.update({"train_batch_size": batch, "gradient_accumulation_steps": batch // (micro * ranks),
+                       "gradient_clipping": grad_clip,
+                       "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
+                                                                 "betas": [0.9, 0.95], "eps": 1e-8}}})
+        if scheduler is not None:
+            config["scheduler"] = scheduler
     return merge(config, ds.extra)
+
+
+def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
+    """The DeepSpeed config dict for a Ray Train run of `total_steps` optimizer steps."""
+    return engine_config(cfg.deepspeed, cfg.micro_batch_size, cfg.num_workers, bf16, cfg.batch_size, cfg.lr,
+                         cfg.weight_decay, cfg.grad_clip, lr_scheduler(cfg, total_steps))
+
+
+def lr_scheduler(cfg: TrainingConfig, total_steps: int) -> dict:
+    """DeepSpeed's scheduler block for `cfg.lr_schedule` (warmup, then constant, linear or cosine)."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    if cfg.lr_schedule == "constant":
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+                                               "warmup_num_steps": max(warmup, 1), "warmup_type": "linear"}}
+    if cfg.lr_schedule == "linear":
+        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+                                                    "warmup_num_steps": max(warmup, 1), "warmup_type": "linear",
+                                                    "total_num_steps": max(total_steps, warmup + 1)}}
+    return {"type": "WarmupCosineLR", "params": {"total_num_steps": max(total_steps, warmup + 1),
+                                                 "warmup_num_steps": max(warmup, 1), "warmup_min_ratio": 0.0,
+                                                 "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}}

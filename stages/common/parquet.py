@@ -49,3 +49,15 @@ def read_parquet(path: str | Path, run_storage: RunStorage | None = None):
         return ray.data.read_parquet(str(path))
     finally:
         del os.environ[ENV]
+
+
+def read_rows(path: Path, limit: int | None = None) -> list[dict]:
+    """The rows of a (small) Parquet directory as dicts, in file order; the first `limit` only when
+    given (0: none). For what a driver reads whole: prompt lists, held-out examples."""
+    import pyarrow.parquet as pq
+
+    files = sorted(Path(path).glob("*.parquet"))
+    if not files or limit == 0:
+        return []
+    rows = pq.ParquetDataset(files).read().to_pylist()
+    return rows if limit is None else rows[:limit]

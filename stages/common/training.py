@@ -129,12 +129,19 @@ def pad(seqs: list, value: int, dtype=None):
     return out, attn
 
 
+def split_bounds(n: int, parts: int) -> list[int]:
+    """Where `n` items split into `parts` contiguous, near-equal shares: share r is [b[r], b[r + 1]), and
+    the first n % parts shares hold one item more. The one data-parallel split of the project (Train
+    workers' slices of a global batch, PPO ranks' and engines' shares)."""
+    k, extra = divmod(n, parts)
+    return [r * k + min(r, extra) for r in range(parts + 1)]
+
+
 def rank_slices(batch: dict, rank: int, world: int) -> dict | None:
-    """Rank `rank`'s contiguous share of a global batch (column -> array): the first len/world rows go to
-    rank 0, the next to rank 1, ... (the last rank also takes the remainder); None when nothing is left."""
-    n = len(next(iter(batch.values())))
-    per = n // world
-    start, stop = rank * per, (n if rank == world - 1 else (rank + 1) * per)
+    """Rank `rank`'s contiguous share of a global batch (column -> array), by `split_bounds`; None when
+    nothing is left for it."""
+    b = split_bounds(len(next(iter(batch.values()))), world)
+    start, stop = b[rank], b[rank + 1]
     return {k: v[start:stop] for k, v in batch.items()} if stop > start else None
 
 

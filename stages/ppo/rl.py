@@ -15,7 +15,12 @@ Run the checks: `.venv/bin/python -m pytest tests/test_rl_math.py -q`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from stages.ppo.config import PPOConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -330,3 +335,57 @@ def kl_controller(
             )
         return AdaptiveKLController(coef, target, horizon)
     raise ValueError(f"kl controller must be one of {', '.join(KL_CONTROLLERS)}, got {kind!r}")
+
+
+# --------------------------------------------------------------------------- rollouts as tensors, and the estimator
+
+
+def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict:
+    """Rollouts -> tensors: prompts left-padded to width P, responses right-padded to width T.
+
+    Every response token t then sits at column P + t in every row, so one slice of the logits
+    serves the whole batch; position ids count real tokens only, as without padding.
+    """
+    import torch
+
+    p = max(len(x) for x in prompts)
+    t = max(1, max(len(r) for r in responses))
+    b = len(prompts)
+    ids = torch.full((b, p + t), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, p + t), dtype=torch.long)
+    for i, (q, r) in enumerate(zip(prompts, responses)):
+        ids[i, p - len(q) : p] = torch.tensor(q)
+        attn[i, p - len(q) : p] = 1
+        if r:
+            ids[i, p : p + len(r)] = torch.tensor(r)
+            attn[i, p : p + len(r)] = 1
+    position_ids = (attn.cumsum(1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": attn, "position_ids": position_ids, "prompt_width": p,
+            "response_ids": ids[:, p:], "response_mask": attn[:, p:].float()}
+
+
+def pad_rows(rows: list[list[float]], width: int):
+    """Ragged per-token values (e.g. the engines' log-probs) -> (B, width) float tensor, 0-padded."""
+    import torch
+
+    out = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def advantages(cfg: PPOConfig, scores, kl, mask, kl_coef: float, values=None):
+    """(advantages (B, T), returns (B, T) or None, coefficient of the KL term in the policy loss).
+
+    PPO and REINFORCE++ pay the KL to the reference per token inside the reward; the group
+    estimators (GRPO, RLOO, Dr. GRPO) score whole responses against their prompt's other
+    samples and pay the KL as a loss term instead, as their papers do.
+    """
+    if cfg.algorithm == "ppo":
+        adv, returns = gae(token_rewards(scores, kl, mask, kl_coef), values, mask, cfg.gamma, cfg.lam)
+        return (masked_whiten(adv, mask) if cfg.whiten_advantages else adv), returns, 0.0
+    if cfg.algorithm == "reinforce_pp":
+        return reinforce_pp_advantages(token_rewards(scores, kl, mask, kl_coef), mask, cfg.gamma), None, 0.0
+    per_response = {"grpo": grpo_advantages, "rloo": rloo_advantages,
+                    "dr_grpo": dr_grpo_advantages}[cfg.algorithm](scores, cfg.sampling.n)
+    return per_response[:, None] * mask, None, kl_coef

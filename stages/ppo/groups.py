@@ -120,10 +120,7 @@ class ModelGroup:
 
 def shard(items: list, n: int) -> list[list]:
     """Split `items` into `n` contiguous, near-equal shares (data-parallel split; order kept)."""
-    k, extra = divmod(len(items), n)
-    out, start = [], 0
-    for r in range(n):
-        end = start + k + (1 if r < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
+    from stages.common.training import split_bounds
+
+    b = split_bounds(len(items), n)
+    return [items[b[r] : b[r + 1]] for r in range(n)]

@@ -1,6 +1,6 @@
 """The Workhorse of every PPO role: one rank of the policy, critic, reference or reward model.
 
-The PPO driver (`stages/ppo.py`) places each role on a `ModelGroup` of these actors and calls
+The PPO driver (`stages/ppo/__init__.py`) places each role on a `ModelGroup` of these actors and calls
 them by name; this file is what runs inside one rank. A rank holds its model under DeepSpeed
 (ZeRO 0-3 from the role's YAML section; trainable roles get an AdamW optimizer, frozen ones are
 wrapped without one, so ZeRO-3 still shards them), and answers:
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.common.groups import Workhorse
+from stages.ppo.groups import Workhorse
 
 
 def _response_slice(batch: dict, x):
@@ -96,7 +96,7 @@ class PPOWorker(Workhorse):
         """
         import ray
 
-        from stages.common.groups import shard
+        from stages.ppo.groups import shard
 
         mine = [e for i, e in enumerate(engines) if i % self.world == self.rank % len(engines)] \
             if len(engines) >= self.world else [engines[self.rank % len(engines)]]
@@ -111,7 +111,7 @@ class PPOWorker(Workhorse):
                            position_ids=batch["position_ids"])
 
     def _logprobs(self, batch: dict, with_entropy: bool = False):
-        from stages.common.rl import entropy_from_logits, logprobs_from_logits
+        from stages.ppo.rl import entropy_from_logits, logprobs_from_logits
 
         logits = _response_slice(batch, self._forward(batch).logits)
         logp = logprobs_from_logits(logits, batch["response_ids"])
@@ -140,26 +140,15 @@ class PPOWorker(Workhorse):
 
     def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[float]:
         """Reward-model score of each (prompt, response), formatted as in its training data."""
-        import torch
+        from stages.common.models import reward_scores
 
-        from stages.common.training import pad
-
-        tok = self.tokenizer
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": r}],
-                                         tokenize=False) for p, r in pairs]
-        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        out = []
-        with torch.no_grad():
-            for i in range(0, len(ids), micro):
-                input_ids, attn = pad(ids[i : i + micro], tok.pad_token_id)
-                out += self.engine(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()
-        return out
+        return reward_scores(self.engine, self.tokenizer, pairs, micro)
 
     # --------------------------------------------------------------- training
 
     def train_policy(self, batch: dict, hp: dict) -> dict[str, float]:
         """`hp['epochs']` passes of clipped-PPO updates over this rank's rollouts."""
-        from stages.common.rl import kl_penalty, masked_mean, policy_loss
+        from stages.ppo.rl import kl_penalty, masked_mean, policy_loss
 
         self.engine.train()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_frac": [], "approx_kl": [], "entropy": []}
@@ -183,7 +172,7 @@ class PPOWorker(Workhorse):
         return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, "policy_train_s": time.time() - t0}
 
     def train_critic(self, batch: dict, hp: dict) -> dict[str, float]:
-        from stages.common.rl import value_loss
+        from stages.ppo.rl import value_loss
 
         self.engine.train()
         losses, clipped = [], []
@@ -210,7 +199,7 @@ class PPOWorker(Workhorse):
         import deepspeed
         import ray
 
-        from stages.common.rollout import nbytes, weights_to_numpy
+        from stages.ppo.rollout import nbytes, weights_to_numpy
 
         params = list(self.engine.module.parameters())
         zero3 = self.engine.zero_optimization_stage() == 3
@@ -252,8 +241,9 @@ def shard_batch(batch: dict, n: int) -> list[dict]:
     """Split a batch's rows into `n` contiguous shares (the data-parallel split)."""
     import torch
 
-    k, extra = divmod(batch["input_ids"].shape[0], n)
-    bounds = [r * k + min(r, extra) for r in range(n + 1)]
+    from stages.common.training import split_bounds
+
+    bounds = split_bounds(batch["input_ids"].shape[0], n)
     return [{key: (v[bounds[r] : bounds[r + 1]] if torch.is_tensor(v) else v) for key, v in batch.items()}
             for r in range(n)]
 

@@ -31,7 +31,7 @@ from pipeline import storage
 from pipeline.errors import DataError
 from pipeline.schema import Section
 from pipeline.stage import StageContext
-from stages.common.formats import KINDS, SUFFIXES, check_row, locate_problem
+from stages.data.formats import KINDS, SUFFIXES, check_row, locate_problem
 
 
 class SourcesConfig(Section):

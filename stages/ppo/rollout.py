@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-EXTENSION = "stages.common.rollout.WeightSyncExtension"
+EXTENSION = "stages.ppo.rollout.WeightSyncExtension"
 BF16_TAG = "__bf16__"
 
 

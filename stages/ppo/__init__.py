@@ -1,0 +1,381 @@
+"""PPO stage: improve the SFT policy with rollouts from vLLM engines and a reward to maximise.
+
+Roles (each a `ModelGroup` of `PPOWorker` ranks with DeepSpeed inside, sized in the YAML):
+policy (trainable, from the SFT model), critic (trainable, from the reward model; PPO only),
+reference (frozen SFT model, for the KL penalty) and reward (the reward model; used when
+`rewards.model_weight` is not 0). Rollouts come from `rollout.num_engines` vLLM engines, each a
+Ray actor (`rollout.py`); policy ranks send their share of the prompts to engines
+themselves (any rank can call any engine). The score of a response mixes the reward model and a
+rule reward (the task verifier, or your own `module:function`) by `rewards.*_weight`.
+
+The driver is one loop, `run()`, reading top to bottom on one screen:
+
+    sample prompts -> generate -> score -> reference/policy log-probs, values -> advantages
+    -> PPO epochs (policy and critic) -> sync weights to the engines -> log -> checkpoint
+
+with set-up (`_start`), the held-out evaluation (`scoring.evaluate`, `_finish`) and teardown
+(`_Session.close`) in named helpers beside it. The package:
+
+    __init__.py  this loop                        config.py   the typed config (PPOConfig)
+    rl.py        the pure RL math (tested)        scoring.py  rewards, evaluation, sign test
+    groups.py    ModelGroup: a model on N actors  worker.py   PPOWorker: one rank of a role
+    rollout.py   vLLM engines, weight sync
+
+After every update the policy's full weights go into the object store once and every engine
+loads them from there (zero-copy on the same node), so rollouts always come from the current
+policy. The critic-free algorithms drop the critic: `grpo`, `rloo` and `dr_grpo` use baselines
+from the other `sampling.n` samples of each prompt (KL to the reference in the loss),
+`reinforce_pp` whitens per-token returns over the batch (KL in the reward); `advantages()` picks
+the estimator. The engines return the log-probs of the tokens they sample; their gap to the
+trainer's (`logprob_mismatch_*`) is logged every iteration, and `tis` corrects for it. The math
+is in `rl.py`, tested against hand-computed values.
+
+Held-out evaluation: greedy answers of the engines on every eval prompt (and `eval_samples`
+sampled ones, same seed), before PPO (the SFT policy) and after, scored by the same reward;
+MLflow gets both, and how many prompts changed either way (a paired sign test says whether the
+gain is noise). `bench/learning.py` runs this per seed and algorithm.
+
+Run alone: `python -m pipeline run configs/full.yaml --only ppo` (after `sft` and `reward`).
+A rerun after an interruption resumes from the last checkpoint (`checkpoint_every`).
+For fault drills, `PIPELINE_FAULT_KILL_ENGINE_AT=K` kills rollout engine 0 at iteration K (from
+0); the stage restarts it, re-syncs its weights and carries on. `PIPELINE_FAULT_AFTER_ITERATION=N`
+raises once after the checkpoint of iteration N (like PIPELINE_FAULT_AFTER_STEP in training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.errors import UserError
+from pipeline.stage import StageContext
+from stages.ppo.config import PPOConfig  # noqa: F401  (the stage's config, imported by pipeline.config)
+
+ROLES = ("policy", "critic", "reference", "reward")
+
+
+# --------------------------------------------------------------------------- set-up and teardown
+
+
+@dataclass
+class _Session:
+    """What `run` starts and works with: the prompts, the roles' actor groups and the engines.
+
+    `close()` ends every actor it holds, whatever happened (the stage calls it in `finally`)."""
+
+    tok: Any
+    rule: Callable[[str, str, str], float]
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    groups: dict[str, Any] = field(default_factory=dict)  # role -> ModelGroup
+    trained: dict[str, Any] = field(default_factory=dict)  # the trainable roles among them
+    pool: Any = None  # the EnginePool
+
+    def role(self, name: str):
+        return self.groups.get(name)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        for g in self.groups.values():
+            g.shutdown()
+
+
+def _read_prompts(path: Path) -> list[dict]:
+    from stages.common.parquet import read_rows
+
+    return read_rows(path)
+
+
+def _check_cluster(cfg: PPOConfig) -> None:
+    """Fail before placing anything when the cluster cannot hold every rank and engine at once."""
+    import ray
+
+    have = ray.cluster_resources().get("CPU", 0)
+    if cfg.cpus_needed() > have:
+        raise UserError(f"stages.ppo.rollout.num_engines: the roles and {cfg.rollout.num_engines} engines need "
+                        f"{cfg.cpus_needed():g} logical CPUs but the Ray cluster has {have:g}; use fewer engines or "
+                        "ranks, or a larger cluster (ray.num_cpus for a local one)")
+
+
+def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
+                pad_id: int, seed: int, run_storage):
+    """A ModelGroup of PPOWorker ranks holding `model_dir` as `kind`; returns (group, setup refs)."""
+    from stages.common.deepspeed import device_env, engine_config, use_bf16
+    from stages.ppo.groups import ModelGroup
+    from stages.ppo.worker import PPOWorker
+
+    bf16 = use_bf16(role.deepspeed, gpu)
+    ds_config = engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16, cfg.mini_batch_size,
+                              role.lr, role.weight_decay, role.grad_clip) if trainable \
+        else engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16)  # no optimizer
+    group = ModelGroup(name, PPOWorker, role.num_ranks, 1, gpu, cfg.placement_strategy, env=device_env(gpu))
+    spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
+            "seed": seed, "storage": run_storage, "activation_checkpointing": role.deepspeed.activation_checkpointing,
+            "zero_head": kind == "value" and cfg.critic_zero_init, "ds_config": ds_config}
+    return group, group.run("setup", spec)
+
+
+def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
+    """Read the prompts, then start the roles (policy, reference, critic for PPO, reward model when
+    it is weighted) and the vLLM engines; the roles load their models while the engines start."""
+    import ray
+
+    from stages.common.deepspeed import use_gpu
+    from stages.common.models import load_tokenizer
+    from stages.ppo.rollout import EnginePool, EngineSpec
+    from stages.ppo.scoring import rule_reward
+
+    sft, rm_dir, data = ctx.inputs["sft_model"], ctx.inputs["reward_model"], ctx.inputs["prompt_data"]
+    train_rows, eval_rows = _read_prompts(data / "train"), _read_prompts(data / "eval")[: cfg.eval_prompts]
+    if len(train_rows) < cfg.prompts_per_iteration:
+        raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
+                        "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
+    s = _Session(load_tokenizer(sft), rule_reward(cfg.rewards.rule), train_rows, eval_rows)
+    gpu, seed, ppo = use_gpu(), ctx.pipeline.seed, cfg.algorithm == "ppo"
+    ctx.ray()
+    _check_cluster(cfg)
+    ctx.progress(f"starting {cfg.rollout.num_engines} vLLM engines and the roles (policy x{cfg.policy.num_ranks}"
+                 f"{f', critic x{cfg.critic.num_ranks}' if ppo else ''}, reference x{cfg.reference.num_ranks}"
+                 f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''})")
+    longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.sampling.max_new_tokens
+    spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
+                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
+                      storage=ctx.storage)
+    try:
+        roles = [("policy", cfg.policy, "causal", sft, True), ("reference", cfg.reference, "causal", sft, False)]
+        roles += [("critic", cfg.critic, "value", rm_dir, True)] if ppo else []
+        roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
+        pending = {}
+        for name, role, kind, model_dir, trainable in roles:
+            s.groups[name], pending[name] = _start_role(name, role, kind, model_dir, cfg, trainable, gpu,
+                                                        s.tok.pad_token_id, seed, ctx.storage)
+        s.trained = {name: s.groups[name] for name, *_, trainable in roles if trainable}
+        s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy)
+        params = {name: ray.get(refs)[0] for name, refs in pending.items()}
+    except BaseException:
+        s.close()
+        raise
+    ctx.progress("ready: " + ", ".join(f"{k} {v / 1e6:.2f}M params" for k, v in params.items()))
+    return s
+
+
+# --------------------------------------------------------------------------- rollouts
+
+
+def _generate(pool, policy, prompt_ids: list[list[int]], sampling: dict, console) -> list[list[dict]]:
+    """Policy ranks send their prompt shares to the engines; a dead engine is restarted and the step retried."""
+    import ray
+
+    from stages.ppo.groups import shard
+
+    for attempt in range(3):
+        try:
+            refs = policy.run_each("generate", shard(prompt_ids, len(policy)), engines=pool.engines,
+                                   sampling=sampling)
+            return [s for part in ray.get(refs) for s in part]
+        except ray.exceptions.RayError as exc:
+            restarted = pool.revive()
+            if not restarted or attempt == 2:
+                raise
+            console(f"rollout engine(s) {restarted} died ({type(exc).__name__}); restarted and re-synced, retrying")
+    raise AssertionError("unreachable")
+
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _latest(ckpt: Path, run_storage) -> dict | None:
+    """The last checkpoint's record; with an object store, the bucket's when this machine has none."""
+    from pipeline.artifacts import read_json
+
+    run_storage.pull_path(ckpt / "latest.json")
+    latest = read_json(ckpt / "latest.json")
+    if latest:
+        run_storage.pull_path(ckpt / latest["dir"] / "state.json")
+    return latest
+
+
+def _save(ckpt: Path, it: int, groups: dict, state: dict, run_storage) -> None:
+    """Every trainable role's DeepSpeed state, then the driver state; `latest.json` last, atomically
+    (and with an object store, pushed last)."""
+    import ray
+
+    from pipeline.artifacts import write_json_atomic
+
+    d = ckpt / f"iter_{it:05d}"
+    ray.get([r for name, g in groups.items() for r in g.run("save", str(d / name))])
+    (d / "state.json").write_text(json.dumps(state))
+    run_storage.push_path(d / "state.json")
+    write_json_atomic(ckpt / "latest.json", {"iteration": it, "dir": d.name})
+    run_storage.push_path(ckpt / "latest.json")
+    for old in sorted(ckpt.glob("iter_*"))[:-2]:  # keep the last two
+        shutil.rmtree(old, ignore_errors=True)
+        run_storage.drop_path(old)
+
+
+def _resume(s: _Session, ctx: StageContext, kl_ctl) -> tuple[int, dict]:
+    """(first iteration to run, reward/KL trend so far): from the last checkpoint, if there is one.
+
+    Restores every trainable role's DeepSpeed state (optimizer included) and the KL coefficient,
+    then brings the engines to the restored policy weights."""
+    import ray
+
+    latest = _latest(ctx.checkpoint_dir, ctx.storage)
+    if not latest:
+        return 0, {"reward": [], "kl": []}
+    d = ctx.checkpoint_dir / latest["dir"]
+    ray.get([r for name, g in s.trained.items() for r in g.run("load", str(d / name))])
+    state = json.loads((d / "state.json").read_text())
+    kl_ctl.value = state["kl_coef"]
+    s.pool.sync(s.role("policy").get("export_weights")[0][0])
+    ctx.progress(f"resumed from the checkpoint of iteration {state['iteration']}")
+    return state["iteration"] + 1, state.get("trend", {"reward": [], "kl": []})
+
+
+# --------------------------------------------------------------------------- the end: export and evaluate
+
+
+def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None, metrics: dict,
+            trend: dict) -> tuple[Path, dict]:
+    """Export the trained policy as an HF model, and score it on the held-out prompts against `before`."""
+    import ray
+
+    from stages.ppo.scoring import compare, evaluate, slope
+
+    out = ctx.out_dir / "model"
+    ray.get(s.role("policy").run("save_hf", str(out)))
+    ctx.storage.pull_path(out)  # with an object store: rank 0 may have written it on another node
+    s.tok.save_pretrained(out)
+    final = dict(metrics)
+    if trend["reward"]:  # the run's learning curve in two numbers (over every iteration, resumed ones too)
+        final.update(reward_slope=slope(trend["reward"]), kl_max=max(trend["kl"]))
+    if before is not None:
+        after = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule)
+        final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
+        for key in before:
+            ctx.progress(f"held-out {key.replace('_', ' ')} ({len(s.eval_rows)} prompts): "
+                         f"{final[f'eval_{key}_before']:.3f} -> {final[f'eval_{key}']:.3f} "
+                         f"({final[f'eval_{key}_improved']} prompts up, {final[f'eval_{key}_worsened']} down, "
+                         f"sign test p {final[f'eval_{key}_sign_test_p']:.2g})")
+    final["engine_restarts"] = s.pool.restarts
+    return out, final
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
+    """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model."""
+    import ray
+    import torch
+
+    from stages.ppo import rl
+    from stages.ppo.scoring import evaluate, samples, score
+    from stages.ppo.worker import shard_batch
+
+    s = _start(cfg, ctx)
+    try:
+        policy, critic, ref, reward, pool, tok = (*(s.role(k) for k in ROLES), s.pool, s.tok)
+        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule) if s.eval_rows else None
+        kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+        start, trend = _resume(s, ctx, kl_ctl)
+        # Fault drills and tests: kill engine 0 at iteration K; raise after the checkpoint of iteration N.
+        fault_at = int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1"))
+        fault_after = int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0"))
+        ppo, seed, micro, n, pad = cfg.algorithm == "ppo", ctx.pipeline.seed, cfg.micro_batch_size, cfg.sampling.n, \
+            tok.pad_token_id
+        hp = {"epochs": cfg.ppo_epochs, "micro": micro, "clip_eps": cfg.clip_eps, "entropy_coef": cfg.entropy_coef,
+              "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
+              "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.sampling.max_new_tokens}
+        metrics: dict[str, float] = {}
+        for it in range(start, cfg.iterations):
+            t_iter = time.time()
+            # 1. sample prompts (seeded per iteration, so a resumed run sees the same ones)
+            rows = random.Random(f"ppo-{seed}-{it}").sample(s.train_rows, cfg.prompts_per_iteration)
+            rows = [r for r in rows for _ in range(n)]  # one row per rollout; a prompt's samples adjacent
+            # 2. generate with the current policy weights
+            if it == fault_at:
+                pool.kill(0)
+            t0 = time.time()
+            sampling = {"n": n, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+                        "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0,  # the sampled tokens' log-probs
+                        # vLLM seeds sample i of a request with seed + i: draw far-apart seeds per iteration
+                        "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
+            generated = _generate(pool, policy, [r["prompt_ids"] for r in rows[::n]], sampling, ctx.progress)
+            responses = [x["ids"] for group in generated for x in group]
+            rollout_lp = [x["logprobs"] for group in generated for x in group]
+            t_gen = time.time() - t0
+            # 3. score: reward model and/or rule reward
+            t0 = time.time()
+            texts = tok.batch_decode(responses, skip_special_tokens=True)
+            scores, rule_scores = score(texts, rows, reward, cfg, s.rule)
+            batch = rl.make_batch([r["prompt_ids"] for r in rows], responses, pad)
+            shards = shard_batch(batch, len(policy))
+            # 4. log-probs of the reference and the current (old) policy, values of the critic
+            ref_lp = torch.cat(ray.get(ref.run_each("logprobs", shard_batch(batch, len(ref)), micro=micro)))
+            old_lp = torch.cat(ray.get(policy.run_each("logprobs", shards, micro=micro)))
+            mask, score_t = batch["response_mask"], torch.tensor(scores)
+            kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)
+            # the engines sampled these tokens; how far their log-probs are from the trainer's (same weights)
+            rollout_lp = rl.pad_rows(rollout_lp, mask.shape[1])
+            mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask)
+            if cfg.tis.enabled:
+                batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
+            # 5. advantages
+            values = torch.cat(ray.get(critic.run_each("values", shard_batch(batch, len(critic)), micro=micro))) \
+                if ppo else None
+            adv, returns, hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, kl_ctl.value, values)
+            if ppo:
+                batch.update(old_values=values, returns=returns)
+            batch.update(advantages=adv, old_logprobs=old_lp, ref_logprobs=ref_lp)
+            t_score = time.time() - t0
+            # 6. PPO epochs: policy and critic train concurrently, each on its data-parallel shares
+            t0 = time.time()
+            refs = policy.run_each("train_policy", shard_batch(batch, len(policy)), hp=hp)
+            crefs = critic.run_each("train_critic", shard_batch(batch, len(critic)), hp=hp) if ppo else []
+            stats = ray.get(refs)[0] | (ray.get(crefs)[0] if ppo else {})
+            t_train = time.time() - t0
+            # 7. sync: one put of the new weights, every engine loads them
+            t0 = time.time()
+            weights_ref, sync_bytes = policy.get("export_weights")[0]
+            load_s = pool.sync(weights_ref)
+            t_sync = time.time() - t0
+            # 8. log
+            seq_kl = float(rl.masked_mean(kl, mask, dim=1).mul(mask.sum(1)).mean())
+            kl_ctl.update(seq_kl, len(rows))
+            gen_tokens = float(mask.sum())
+            metrics = {
+                "reward_mean": float(score_t.mean()), "rule_reward_mean": sum(rule_scores) / len(rule_scores),
+                "kl": seq_kl, "kl_coef": kl_ctl.value, "response_length": gen_tokens / len(rows),
+                **{k: v for k, v in stats.items()}, "generate_s": t_gen, "score_s": t_score, "train_s": t_train,
+                "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20,
+                "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9), "iteration_s": time.time() - t_iter,
+                "engine_restarts": pool.restarts, **mismatch,
+            }
+            ctx.log_metrics(metrics, step=it + 1)
+            trend["reward"].append(metrics["reward_mean"])
+            trend["kl"].append(seq_kl)
+            if cfg.log_samples:
+                ctx.log_dict(samples(rows, texts, scores, rule_scores, cfg.log_samples, n), f"samples/iter_{it + 1:04d}.json")
+            ctx.progress(f"iter {it + 1}/{cfg.iterations} reward {metrics['reward_mean']:.3f} "
+                         f"rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} len {metrics['response_length']:.1f} "
+                         f"| gen {t_gen:.1f}s score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s")
+            # 9. checkpoint
+            if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
+                _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend},
+                      ctx.storage)
+                if fault_after and it + 1 >= fault_after > start:
+                    raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
+        out, final = _finish(s, cfg, ctx, before, metrics, trend)
+        ctx.log_metrics(final, step=cfg.iterations)
+        return {"policy_model": out}
+    finally:
+        s.close()

@@ -1,0 +1,165 @@
+"""The PPO stage's typed config: algorithm, schedule, rollouts, rewards and the four roles.
+
+Kept apart from the stage's code so `pipeline.config` can validate a pipeline YAML without
+importing anything heavy; every field's description is the README's configuration reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from pipeline.schema import Section
+from stages.common.deepspeed import DeepSpeedSection
+
+GROUPED = ("grpo", "rloo", "dr_grpo")  # baselines from the other samples of the same prompt
+
+
+class TrainedRole(Section):
+    """A trainable role (policy, critic): its ranks, optimizer and DeepSpeed settings."""
+
+    num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (Ray actors, one process group).")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping.")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings.")
+
+
+class FrozenRole(Section):
+    """A frozen role (reference, reward model): its ranks and DeepSpeed settings (ZeRO-3 shards it)."""
+
+    num_ranks: int = Field(1, ge=1, description="Ranks (Ray actors) holding the model.")
+    deepspeed: DeepSpeedSection = Field(default_factory=lambda: DeepSpeedSection(zero_stage=0),
+                                        description="DeepSpeed settings (zero_stage 3 shards the frozen weights).")
+
+
+class SamplingConfig(Section):
+    """How the engines sample rollouts."""
+
+    n: int = Field(4, ge=1, description="Samples per prompt (GRPO compares them; needs >= 2).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(16, ge=1, description="Longest response in tokens.")
+
+
+class RolloutConfig(Section):
+    """The vLLM rollout engines."""
+
+    num_engines: int = Field(2, ge=1, description="vLLM engines, one Ray actor each.")
+    cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs each engine reserves.")
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's memory fraction (of CPU memory on CPU).")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "SPREAD", description="Ray placement strategy of the engines' bundles.")
+
+
+class KLConfig(Section):
+    """The KL penalty to the reference policy."""
+
+    estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator (Schulman's k1/k2/k3).")
+    coef: float = Field(0.05, ge=0, description="KL coefficient (start value if adaptive).")
+    controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep the coefficient, or steer KL to `target`.")
+    target: float = Field(1.0, gt=0, description="Adaptive controller: target KL per sequence.")
+    horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in sequences.")
+
+
+class TISConfig(Section):
+    """Truncated importance sampling: correct for the rollout engine sampling from a slightly
+    different distribution than the trainer computes (kernels, precision)."""
+
+    enabled: bool = Field(False, description="Weight each token's policy loss by min(pi_trainer / pi_rollout, cap). "
+                          "Off by default: with fp32 weights on CPU the engines match the trainer (the "
+                          "logprob_mismatch metrics stay ~1e-6), so the weights are all ~1.")
+    cap: float = Field(2.0, gt=0, description="Truncation of the importance weight (bounds its variance).")
+
+
+class RewardMix(Section):
+    """What a response scores: reward model and rule reward, mixed by weight."""
+
+    model_weight: float = Field(0.0, description="Weight of the reward model's score (0: the reward model is not loaded).")
+    rule_weight: float = Field(1.0, description="Weight of the rule reward.")
+    rule: str = Field("verifier", description="'verifier' (1 if the task verifier accepts the answer, else 0) or "
+                      "'module:function' taking (prompt, response, answer) and returning a float.")
+
+    @field_validator("rule")
+    @classmethod
+    def _rule_form(cls, v: str) -> str:
+        if v != "verifier" and (":" not in v or not all(v.split(":", 1))):
+            raise ValueError(f"must be 'verifier' or 'module:function', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _something_scores(self) -> "RewardMix":
+        if self.model_weight == 0 and self.rule_weight == 0:
+            raise ValueError("model_weight and rule_weight are both 0: nothing would reward the policy; set one")
+        return self
+
+
+class PPOConfig(Section):
+    """The ppo stage: algorithm, rollouts, roles and schedule."""
+
+    algorithm: Literal["ppo", "grpo", "rloo", "reinforce_pp", "dr_grpo"] = Field(
+        "ppo", description="'ppo' (critic + GAE); critic-free: 'grpo' (group-normalised), 'rloo' (leave-one-out "
+        "baseline), 'reinforce_pp' (REINFORCE++: batch-whitened returns, KL in the reward), 'dr_grpo' (no std or "
+        "length normalisation).")
+    iterations: int = Field(20, ge=1, description="Rollout + update iterations.")
+    prompts_per_iteration: int = Field(32, ge=1, description="Prompts sampled per iteration (x sampling.n rollouts).")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's rollouts.")
+    mini_batch_size: int = Field(32, ge=1, description="Rollouts per optimizer step, over all ranks of a role.")
+    micro_batch_size: int = Field(8, ge=1, description="Rollouts per rank per forward pass (the rest is accumulation).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range.")
+    value_clip: float | None = Field(0.2, gt=0, description="Value clip range (empty: no value clipping).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 per batch (PPO).")
+    critic_zero_init: bool = Field(True, description="Start the critic's value head at zero (its backbone from the "
+                                   "reward model). The reward model's head outputs Bradley-Terry logits, several units "
+                                   "off the 0-1 scale of the rewards; such values swamp the first advantages.")
+    tis: TISConfig = Field(default_factory=TISConfig, description="Truncated importance-sampling correction.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the reference.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="vLLM rollout engines.")
+    rewards: RewardMix = Field(default_factory=RewardMix, description="Reward model and rule reward.")
+    policy: TrainedRole = Field(default_factory=lambda: TrainedRole(num_ranks=2), description="The policy role.")
+    critic: TrainedRole = Field(default_factory=lambda: TrainedRole(lr=1e-4), description="The critic role (PPO).")
+    reference: FrozenRole = Field(default_factory=FrozenRole, description="The frozen reference role.")
+    reward: FrozenRole = Field(default_factory=FrozenRole, description="The reward-model role.")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy of each role's ranks.")
+    checkpoint_every: int = Field(5, ge=1, description="Checkpoint policy and critic every N iterations (and at the end).")
+    eval_prompts: int | None = Field(None, ge=0, description="Held-out prompts scored before and after PPO "
+                                     "(empty: every held-out prompt; 0: skip).")
+    log_samples: int = Field(4, ge=0, description="Sampled completions (with prompt, answer and reward) attached to "
+                             "the MLflow run every iteration as samples/iter_NNNN.json (0: none).")
+    eval_samples: int = Field(8, ge=0, description="Besides the greedy answer, sample this many responses per held-out "
+                              "prompt (rollout sampling, fixed seed) and compare their mean scores too (0: greedy only).")
+    use_tuned: bool = Field(False, description="Use the best values of the tune stage's sweep over ppo (needs "
+                            "stages.tune with target: ppo).")
+
+    @model_validator(mode="after")
+    def _batches_fit(self) -> "PPOConfig":
+        n, rollouts = self.sampling.n, self.prompts_per_iteration * self.sampling.n
+        if self.algorithm in GROUPED and n < 2:
+            raise ValueError(f"sampling.n: {self.algorithm} compares samples of the same prompt and needs n >= 2 "
+                             f"(got {n}); set sampling.n: 4, or algorithm: ppo")
+        if rollouts % self.mini_batch_size:
+            raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide prompts_per_iteration x "
+                             f"sampling.n ({self.prompts_per_iteration} x {n} = {rollouts}); e.g. mini_batch_size: "
+                             f"{math.gcd(rollouts, self.mini_batch_size)}")
+        roles = [("policy", self.policy)] + ([("critic", self.critic)] if self.algorithm == "ppo" else [])
+        for name, role in roles:
+            per_step = self.micro_batch_size * role.num_ranks
+            if self.mini_batch_size % per_step:
+                raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size x "
+                                 f"{name}.num_ranks ({self.micro_batch_size} x {role.num_ranks} = {per_step})")
+        return self
+
+    def cpus_needed(self) -> float:
+        """Logical CPUs the stage reserves at once (every rank and engine holds one bundle)."""
+        ranks = self.policy.num_ranks + self.reference.num_ranks
+        ranks += self.critic.num_ranks if self.algorithm == "ppo" else 0
+        ranks += self.reward.num_ranks if self.rewards.model_weight else 0
+        return ranks + self.rollout.num_engines * self.rollout.cpus_per_engine
