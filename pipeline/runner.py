@@ -441,16 +441,13 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     with RunLock(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
-        stages, chosen, forced = selection(cfg, only, from_, to, force, registry)
-        plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry)
+        # The planner keys every stage up front (validation, the plan shown); each selected stage is
+        # keyed again just before it runs, from the keys its upstream stages ran with.
+        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), fps)
+        plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry, planner=planner)
         fps.save()
         active = [p for p in plan if p.status != "skip"]
         by_name = {p.spec.name: p for p in plan}
-        # Each stage is keyed again just before it runs, from the keys its upstream stages ran with.
-        planner = Planner(cfg, stages, chosen, forced, fps)
-        for p in plan:
-            if p.status == "skip":
-                planner.keys[p.spec.name] = p.key
         producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
         summary = summary if summary is not None else {}
         summary.update({"plan": plan, "stages": {}, "run_ids": {}, "durations": {}, "started_ray": False})
