@@ -69,6 +69,35 @@ def smoke_upstream(ray_local, tmp_path_factory, tracking_uri):
     return seed
 
 
+# The shared trained smoke run: a short SFT (6 steps) and smoke.yaml's reward model. Every test that
+# needs trained upstream stages uses these overrides, so they are cache hits in its run directory.
+TRAINED = ("stages.sft.max_steps=6", "stages.sft.eval_every=3", "stages.sft.checkpoint_every=3",
+           "stages.sft.warmup_steps=1", "stages.sft.accuracy_prompts=8", "stages.reward.lm_loss_weight=1.0")
+
+
+@pytest.fixture(scope="session")
+def smoke_trained(smoke_upstream, tmp_path_factory, tracking_uri):
+    """smoke.yaml with TRAINED, run once to the reward stage: model, data, sft and reward for real
+    (2 Ray Train workers, DeepSpeed ZeRO-2). Call it with a new run dir to get those artifacts there;
+    `.summary` is the run's summary (manifests, MLflow run ids with the full metric histories)."""
+    import shutil
+
+    from rich.console import Console
+
+    from pipeline.runner import run_pipeline
+
+    source = smoke_upstream(tmp_path_factory.mktemp("smoke_trained"))
+    summary = run_pipeline(smoke_config(source, f"mlflow.tracking_uri={tracking_uri}", *TRAINED), SMOKE,
+                           Console(quiet=True), to="reward")
+
+    def seed(run_dir: Path) -> Path:
+        shutil.copytree(source / "artifacts", run_dir / "artifacts", dirs_exist_ok=True)
+        return run_dir
+
+    seed.summary, seed.run_dir = summary, source
+    return seed
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory):
     """The built-in tokenizer, trained on the smoke task corpus."""

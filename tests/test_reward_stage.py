@@ -1,4 +1,5 @@
-"""The reward stage on Ray Train + DeepSpeed: a Bradley-Terry model learns a clear preference."""
+"""The reward stage on Ray Train + DeepSpeed: the session's shared trained run (fast suite), and a
+Bradley-Terry model that learns a clear preference on data of its own (slow)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,34 @@ from conftest import SMOKE, smoke_config
 from pipeline import artifacts
 from pipeline.runner import run_pipeline
 
-pytestmark = pytest.mark.slow
+
+def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracking_uri):
+    """smoke.yaml's reward stage for real (2 workers, ZeRO-2, the LM loss on): its losses fall and the
+    export is a one-logit sequence classifier whose scores differ between answers."""
+    import torch
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForSequenceClassification
+
+    from stages.common.models import load_tokenizer, reward_scores
+
+    summary = smoke_trained.summary
+    manifest, run_id = summary["stages"]["reward"], summary["run_ids"]["reward"]
+    client = MlflowClient(tracking_uri)
+    evals = sorted(client.get_metric_history(run_id, "eval_loss"), key=lambda x: x.step)
+    assert evals[0].step == 0 and evals[-1].step == 12 and evals[-1].value < evals[0].value
+    lm = sorted(client.get_metric_history(run_id, "train_lm_loss"), key=lambda x: x.step)
+    mean = lambda xs: sum(x.value for x in xs) / len(xs)  # noqa: E731
+    assert len(lm) == 12 and mean(lm[-3:]) < mean(lm[:3])  # the LM loss on the chosen answers is trained too
+    assert {"eval_accuracy", "eval_margin", "train_loss"} <= manifest["metrics"].keys()
+    out = artifacts.output_paths(manifest, artifacts.artifact_dir(smoke_trained.run_dir, "reward",
+                                                                  manifest["key"]))["reward_model"]
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert model.config.num_labels == 1
+    scores = reward_scores(model, load_tokenizer(out), [("What is 2 + 3?", "2 + 3 = 5"), ("What is 2 + 3?", "no")], 2)
+    assert len(scores) == 2 and all(torch.isfinite(torch.tensor(scores))) and scores[0] != scores[1]
 
 
+@pytest.mark.slow
 def test_reward_model_learns_a_held_out_preference(ray_local, tmp_path, tracking_uri):
     import torch
     from mlflow.tracking import MlflowClient

@@ -1,4 +1,7 @@
-"""The sft stage on Ray Train + DeepSpeed (2 CPU workers, smoke-sized model and data)."""
+"""The sft stage on Ray Train + DeepSpeed (2 CPU workers, smoke-sized model and data).
+
+`test_sft_learns_and_exports_a_loadable_model` checks the session's shared trained run (fast suite);
+the ZeRO comparison and the resume test train more runs of their own (slow)."""
 
 from __future__ import annotations
 
@@ -6,13 +9,11 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from conftest import SMOKE, smoke_config
+from conftest import SMOKE, TRAINED, smoke_config
 from pipeline import artifacts
 from pipeline.runner import run_pipeline
 
-pytestmark = pytest.mark.slow
-FAST = ["stages.sft.max_steps=6", "stages.sft.eval_every=3", "stages.sft.checkpoint_every=3",
-        "stages.sft.warmup_steps=1", "stages.sft.accuracy_prompts=8"]
+FAST = list(TRAINED)  # the shared trained run's SFT settings: its ZeRO-2 run is a cache hit here
 
 
 def run_sft(run_dir, tracking_uri, *overrides):
@@ -36,13 +37,23 @@ def weights(model_dir) -> dict[str, np.ndarray]:
     return load_file(str(model_dir / "model.safetensors"))
 
 
+def _trained_sft(smoke_trained):
+    """(manifest, MLflow run id, model dir) of the shared trained run's SFT (ZeRO-2, smoke's default)."""
+    summary = smoke_trained.summary
+    manifest = summary["stages"]["sft"]
+    out = artifacts.output_paths(manifest, artifacts.artifact_dir(smoke_trained.run_dir, "sft", manifest["key"]))
+    return manifest, summary["run_ids"]["sft"], out["sft_model"]
+
+
 @pytest.fixture(scope="module")
-def zero_runs(smoke_upstream, tmp_path_factory, tracking_uri):
-    """The same run under ZeRO 0, 2 and 3: {stage: (manifest, run id, model dir)}."""
-    run_dir = smoke_upstream(tmp_path_factory.mktemp("sft"))
-    return {z: run_sft(run_dir, tracking_uri, f"stages.sft.deepspeed.zero_stage={z}") for z in (0, 2, 3)}
+def zero_runs(smoke_trained, tmp_path_factory, tracking_uri):
+    """The same run under ZeRO 0, 2 and 3: {stage: (manifest, run id, model dir)}; ZeRO-2 is the shared run."""
+    run_dir = smoke_trained(tmp_path_factory.mktemp("sft"))
+    return {0: run_sft(run_dir, tracking_uri, "stages.sft.deepspeed.zero_stage=0"), 2: _trained_sft(smoke_trained),
+            3: run_sft(run_dir, tracking_uri, "stages.sft.deepspeed.zero_stage=3")}
 
 
+@pytest.mark.slow
 def test_zero_stages_give_the_same_loss_trajectory(zero_runs, tracking_uri):
     losses = {z: history(tracking_uri, run_id, "train_loss") for z, (_, run_id, _) in zero_runs.items()}
     assert sorted(losses[0]) == list(range(1, 7))
@@ -56,13 +67,13 @@ def test_zero_stages_give_the_same_loss_trajectory(zero_runs, tracking_uri):
         np.testing.assert_allclose(w3[name], w0[name], atol=1e-5)
 
 
-def test_sft_learns_and_exports_a_loadable_model(zero_runs, tracking_uri):
+def test_sft_learns_and_exports_a_loadable_model(smoke_trained, tracking_uri):
     import torch
     from transformers import AutoModelForCausalLM
 
     from stages.common.models import load_tokenizer
 
-    manifest, run_id, model_dir = zero_runs[2]
+    manifest, run_id, model_dir = _trained_sft(smoke_trained)
     evals = history(tracking_uri, run_id, "eval_loss")
     assert evals[6] < evals[0] - 0.5  # eval loss fell well below its start
     assert {"base_accuracy", "accuracy", "tokens_per_s"} <= manifest["metrics"].keys()
@@ -82,7 +93,8 @@ def test_sft_learns_and_exports_a_loadable_model(zero_runs, tracking_uri):
     assert torch.isfinite(torch.tensor(evals[6]))
 
 
-def test_interrupted_sft_resumes_from_its_checkpoint(zero_runs, smoke_upstream, tmp_path, tracking_uri, monkeypatch):
+@pytest.mark.slow
+def test_interrupted_sft_resumes_from_its_checkpoint(smoke_trained, smoke_upstream, tmp_path, tracking_uri, monkeypatch):
     run_dir = smoke_upstream(tmp_path / "resume")
     monkeypatch.setenv("PIPELINE_FAULT_AFTER_STEP", "3")
     with pytest.raises(Exception, match="injected fault after step 3"):
@@ -92,7 +104,7 @@ def test_interrupted_sft_resumes_from_its_checkpoint(zero_runs, smoke_upstream, 
 
     _, run_id, model_dir = run_sft(run_dir, tracking_uri, "stages.sft.max_failures=0")
     assert min(history(tracking_uri, run_id, "train_loss")) == 4  # continued after step 3, did not restart
-    reference = weights(zero_runs[2][2])  # the same config (ZeRO-2), never interrupted
+    reference = weights(_trained_sft(smoke_trained)[2])  # the same config (ZeRO-2), never interrupted
     resumed = weights(model_dir)
     for name in reference:
         np.testing.assert_allclose(resumed[name], reference[name], atol=1e-5)
