@@ -188,7 +188,6 @@ def _generate(pool, policy, prompt_ids: list[list[int]], sampling: dict, console
     raise AssertionError("unreachable")
 
 
-
 # --------------------------------------------------------------------------- checkpoints
 
 
