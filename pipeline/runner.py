@@ -204,7 +204,7 @@ class Planner:
         if unknown:
             self.keys[spec.name] = None
             why = ("waits for the tune stage's best values (keyed once the sweep has run)" if unknown == ["tune"]
-                   else f"keyed once {', '.join(unknown)} has run")
+                   else f"keyed once {' and '.join(unknown)} {'has' if len(unknown) == 1 else 'have'} run")
             return PlannedStage(spec, None, {"upstream": upstream}, status_if("miss"), why, False, stage_cfg)
         comps = components(cfg, spec, upstream, self.fps, stage_cfg)
         key = self.keys[spec.name] = artifacts.hash_json(comps)
