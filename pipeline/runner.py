@@ -238,12 +238,14 @@ def selection(cfg: PipelineConfig, only=(), from_=None, to=None, force=(),
 
 def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None,
                registry: tuple[StageSpec, ...] | None = None, planner: Planner | None = None) -> list[PlannedStage]:
-    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing."""
-    stages, chosen, forced = selection(cfg, only, from_, to, force, registry)
-    fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
-    planner = planner or Planner(cfg, stages, chosen, forced, fps)
-    plan = [planner.key(spec) for spec in stages]
-    _check_needed(plan, chosen)
+    """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing.
+
+    With `planner` (already holding a validated selection) the selection arguments are not used."""
+    if planner is None:
+        fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
+        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), fps)
+    plan = [planner.key(spec) for spec in planner.stages]
+    _check_needed(plan, planner.chosen)
     return plan
 
 
@@ -444,7 +446,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         # The planner keys every stage up front (validation, the plan shown); each selected stage is
         # keyed again just before it runs, from the keys its upstream stages ran with.
         planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), fps)
-        plan = build_plan(cfg, only, from_, to, force, fps=fps, registry=registry, planner=planner)
+        plan = build_plan(cfg, planner=planner)
         fps.save()
         active = [p for p in plan if p.status != "skip"]
         by_name = {p.spec.name: p for p in plan}
