@@ -168,8 +168,7 @@ class ObjectStore:
 
 def from_config(cfg) -> ObjectStore | None:
     """The run's store (`cfg.storage`), or None when it has none."""
-    s = cfg.storage
-    return ObjectStore(s.uri, s.endpoint_url, s.region) if s.uri else None
+    return RunStorage.of(cfg).store
 
 
 # --------------------------------------------------------------------------- artifacts
