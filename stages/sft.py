@@ -77,7 +77,6 @@ def _eval_loss(engine, batches) -> float:
 
 def train_loop(c: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
-    import ray.train
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -99,8 +98,8 @@ def train_loop(c: dict) -> None:
     total, pad_id = c["total_steps"], c["pad_id"]
     # This rank's batches of each split, read once and replayed (the same batches at every pass).
     collate_fn = partial(collate, pad_id=pad_id)
-    trains = training.ReplayBatches(ray.train.get_dataset_shard("train"), cfg.micro_batch_size, collate_fn, rank, world)
-    evals = training.EvalBatches(ray.train.get_dataset_shard("eval"), cfg.micro_batch_size, collate_fn, rank, world)
+    trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
+    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, collate_fn, rank, world)
     if state["step"] == 0:
         loss0 = _eval_loss(engine, evals)
         log.log({"eval_loss": loss0}, 0)
@@ -158,7 +157,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import greedy_accuracy, load_tokenizer
-    from stages.common.parquet import read_parquet, read_rows
+    from stages.common.parquet import read_rows
     from stages.common.training import export, fit
 
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
@@ -179,7 +178,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
         "run_id": ctx.run_id,
-    }, cfg, {"train": read_parquet(data / "train", ctx.storage), "eval": read_parquet(data / "eval", ctx.storage)},
+    }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok)

@@ -69,10 +69,10 @@ def smoke_upstream(ray_local, tmp_path_factory, tracking_uri):
     return seed
 
 
-# The shared trained smoke run: a short SFT (6 steps) and smoke.yaml's reward model. Every test that
-# needs trained upstream stages uses these overrides, so they are cache hits in its run directory.
-TRAINED = ("stages.sft.max_steps=6", "stages.sft.eval_every=3", "stages.sft.checkpoint_every=3",
-           "stages.sft.warmup_steps=1", "stages.sft.accuracy_prompts=8", "stages.reward.lm_loss_weight=1.0")
+# The shared trained smoke run: smoke.yaml's SFT (12 steps) and reward model, with SFT checkpoints every
+# 3 steps (for the resume test) and the reward model's LM loss on. Every test that needs trained
+# upstream stages uses these overrides, so they are cache hits in its run directory.
+TRAINED = ("stages.sft.checkpoint_every=3", "stages.reward.lm_loss_weight=1.0")
 
 
 @pytest.fixture(scope="session")

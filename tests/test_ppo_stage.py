@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from conftest import SMOKE, smoke_config
+from conftest import SMOKE, TRAINED, smoke_config
 from pipeline import artifacts
 from pipeline.runner import run_pipeline
 
@@ -16,12 +16,11 @@ pytestmark = pytest.mark.slow
 # (The resume test keeps smoke.yaml's reward-model weight, so the reward role runs there.)
 LEARN = ["stages.ppo.rewards.rule=helpers.toy_rewards:digits", "stages.ppo.kl.coef=0.0",
          "stages.ppo.policy.lr=0.001", "stages.ppo.critic.lr=0.001", "stages.ppo.iterations=20",
-         "stages.ppo.ppo_epochs=2", "stages.ppo.checkpoint_every=10",
-         "stages.sft.accuracy_prompts=0"]
+         "stages.ppo.ppo_epochs=2", "stages.ppo.checkpoint_every=10"]
 
 
 def run_ppo(run_dir, tracking_uri, *overrides):
-    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
+    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *TRAINED, *overrides)
     summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="ppo")
     manifest = summary["stages"]["ppo"]
     out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "ppo", manifest["key"]))
@@ -35,9 +34,10 @@ def history(tracking_uri, run_id, key) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(smoke_upstream, tmp_path_factory):
-    """One run directory for the module: upstream stages run once, each PPO variant has its own key."""
-    return smoke_upstream(tmp_path_factory.mktemp("ppo"))
+def run_dir(smoke_trained, tmp_path_factory):
+    """One run directory for the module, holding the session's trained SFT and reward model (cache
+    hits); each PPO variant has its own key."""
+    return smoke_trained(tmp_path_factory.mktemp("ppo"))
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def zero_runs(smoke_trained, tmp_path_factory, tracking_uri):
 @pytest.mark.slow
 def test_zero_stages_give_the_same_loss_trajectory(zero_runs, tracking_uri):
     losses = {z: history(tracking_uri, run_id, "train_loss") for z, (_, run_id, _) in zero_runs.items()}
-    assert sorted(losses[0]) == list(range(1, 7))
+    assert sorted(losses[0]) == list(range(1, 13))
     for z in (2, 3):
         assert losses[z].keys() == losses[0].keys()
         np.testing.assert_allclose([losses[z][s] for s in losses[0]], list(losses[0].values()), rtol=2e-4)
@@ -75,7 +75,7 @@ def test_sft_learns_and_exports_a_loadable_model(smoke_trained, tracking_uri):
 
     manifest, run_id, model_dir = _trained_sft(smoke_trained)
     evals = history(tracking_uri, run_id, "eval_loss")
-    assert evals[6] < evals[0] - 0.5  # eval loss fell well below its start
+    assert evals[12] < evals[0] - 0.5  # eval loss fell well below its start
     assert {"base_accuracy", "accuracy", "tokens_per_s"} <= manifest["metrics"].keys()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -90,7 +90,7 @@ def test_sft_learns_and_exports_a_loadable_model(smoke_trained, tracking_uri):
 
     files = {a.path for a in MlflowClient(tracking_uri).list_artifacts(run_id)}
     assert "deepspeed_config.json" in files
-    assert torch.isfinite(torch.tensor(evals[6]))
+    assert torch.isfinite(torch.tensor(evals[12]))
 
 
 @pytest.mark.slow

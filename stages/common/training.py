@@ -31,10 +31,11 @@ DS_TAG = "ds"
 # --------------------------------------------------------------------------- driver side
 
 
-def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, datasets: dict, checkpoints: Path,
-        run_storage: RunStorage, gpu: bool, callbacks: list | tuple = ()):
+def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, splits: dict[str, Path],
+        checkpoints: Path, run_storage: RunStorage, gpu: bool, callbacks: list | tuple = ()):
     """Run `loop` on `tcfg.num_workers` Ray Train workers; return the Ray Train `Result`.
 
+    `splits` names the Parquet directories the workers read (`split(c, name)` on the worker side).
     `loop_config` reaches every worker; it carries `run_storage` under "storage" for workers that
     pull their inputs (`c["storage"].localize(path)`). `callbacks` are Ray Train callbacks, e.g.
     Tune's `TuneReportCallback` inside a sweep's trial.
@@ -42,6 +43,13 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    from stages.common.parquet import read_parquet
+
+    # A small split is read by each worker straight from its files (`ParquetSplit`); a large one
+    # streams through Ray Data.
+    direct = {name: str(path) for name, path in splits.items() if parquet_bytes(path) <= DIRECT_READ_MAX_BYTES}
+    datasets = {name: read_parquet(path, run_storage) for name, path in splits.items() if name not in direct}
 
     # With an object store the checkpoints live in the bucket (any node's restarted workers read
     # them there); otherwise in the local (or shared) checkpoint directory.
@@ -58,7 +66,7 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, d
         ds.context.enable_progress_bars = False
     trainer = TorchTrainer(
         loop,
-        train_loop_config={**loop_config, "storage": run_storage},
+        train_loop_config={**loop_config, "storage": run_storage, "splits": direct},
         torch_config=TorchConfig(backend=backend(gpu)),
         scaling_config=ScalingConfig(num_workers=tcfg.num_workers, use_gpu=gpu,
                                      placement_strategy=tcfg.placement_strategy),
@@ -157,6 +165,54 @@ def rank_batches(dataset, micro: int, rank: int, world: int, collate_fn: Callabl
         mine = rank_slices(batch, rank, world)
         if mine is not None:
             yield collate_fn(mine)
+
+
+# Splits up to this many bytes of Parquet are read by each worker with pyarrow (`ParquetSplit`).
+DIRECT_READ_MAX_BYTES = 256 * 2**20
+
+
+def parquet_bytes(path: Path) -> int:
+    """Size of a split's Parquet files (the driver always holds the run's artifacts locally)."""
+    return sum(f.stat().st_size for f in Path(path).glob("*.parquet"))
+
+
+class ParquetSplit:
+    """A small split's Parquet files read by a worker with pyarrow, behind the `iter_batches` of a
+    Ray Data dataset (all `rank_batches` calls): the same rows in the same order, in batches of
+    the same size.
+
+    Why not Ray Data for these: every worker reads the whole split anyway (docs/architecture.md,
+    fact 15), and one Ray Data execution costs 5-20 s of task scheduling on a 2-core machine, and
+    minutes on a loaded cluster whose read tasks wait for CPUs, for splits of a few thousand rows
+    that pyarrow reads in milliseconds. Splits above `DIRECT_READ_MAX_BYTES` stream through Ray
+    Data (`fit`). A node without the run's artifacts pulls the split from the object store first.
+    """
+
+    def __init__(self, path: str, run_storage: RunStorage | None = None):
+        self.path, self.run_storage = path, run_storage
+
+    def iter_batches(self, batch_size: int, drop_last: bool = False, batch_format: str = "numpy"):
+        import pyarrow.parquet as pq
+
+        assert batch_format == "numpy", batch_format
+        local = self.run_storage.localize(self.path) if self.run_storage is not None else self.path
+        files = sorted(Path(local).glob("*.parquet"))  # Ray Data's file order too
+        if not files:
+            return
+        table = pq.ParquetDataset(files).read()
+        n = table.num_rows
+        for start in range(0, n - n % batch_size if drop_last else n, batch_size):
+            part = table.slice(start, batch_size)
+            yield {name: part.column(name).to_numpy(zero_copy_only=False) for name in part.column_names}
+
+
+def split(c: dict, name: str):
+    """On a worker: split `name` of `fit`'s `splits`, to iterate with `ReplayBatches` / `EvalBatches`."""
+    if name in c.get("splits", {}):
+        return ParquetSplit(c["splits"][name], c["storage"])
+    import ray.train
+
+    return ray.train.get_dataset_shard(name)
 
 
 class ReplayBatches:
