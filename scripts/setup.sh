@@ -45,5 +45,18 @@ if [ "$EXTRA" = cpu ]; then
 fi
 "$VENV/bin/python" -c "import ray, vllm, deepspeed, mlflow; from transformers import LlamaForCausalLM" >/dev/null 2>&1 \
   || { echo "setup: the installed stack does not import; see the pip output above" >&2; exit 1; }
+if [ "$EXTRA" = cpu ]; then
+  # DeepSpeed builds its CPU ops (Adam, shared-memory allreduce) on first use: 100-140 s on 2 cores
+  # inside the first training stage. Build them now, where the workers look for them (the venv's
+  # own directory, stages/common/deepspeed.py: isolate_jit_builds).
+  echo "setup: building DeepSpeed's CPU ops (a few minutes on 2 cores, once)"
+  DS_ACCELERATOR=cpu "$VENV/bin/python" -c "
+from stages.common.deepspeed import isolate_jit_builds
+isolate_jit_builds()
+from deepspeed.accelerator import get_accelerator
+for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
+    get_accelerator().create_op_builder(name).load(verbose=False)
+" >/dev/null || { echo "setup: DeepSpeed's CPU ops did not build (is a C++ compiler installed?)" >&2; exit 1; }
+fi
 echo "$want" > "$STAMP"
 echo "setup: done ($EXTRA)"

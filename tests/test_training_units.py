@@ -216,3 +216,18 @@ def test_a_small_split_read_with_pyarrow_gives_every_rank_the_batches_ray_data_g
     every = [n for r in range(2) for b in rank_batches(ParquetSplit(str(split)), 3, r, 2, collate, drop_last=False)
              for n in b[2]]
     assert sorted(every) == list(range(23))  # without drop_last every row is read exactly once
+
+
+def test_deepspeed_jit_builds_go_to_this_environment_unless_the_user_chose_a_directory(monkeypatch, tmp_path):
+    import os
+    import sys
+    from pathlib import Path
+
+    from stages.common.deepspeed import isolate_jit_builds
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    isolate_jit_builds()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    isolate_jit_builds()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)

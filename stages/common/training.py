@@ -261,6 +261,9 @@ def EvalBatches(dataset, micro: int, collate_fn: Callable, rank: int = 0, world:
 
 def init_engine(model, ds_config: dict):
     """DeepSpeed engine over Ray Train's already-initialised process group."""
+    from stages.common.deepspeed import isolate_jit_builds
+
+    isolate_jit_builds()
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

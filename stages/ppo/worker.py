@@ -54,6 +54,9 @@ class PPOWorker(Workhorse):
     def setup(self, spec: dict) -> int:
         """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed, and
         storage (the run's `RunStorage`: where to pull the model from and push checkpoints to)."""
+        from stages.common.deepspeed import isolate_jit_builds
+
+        isolate_jit_builds()
         import deepspeed
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
