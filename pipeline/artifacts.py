@@ -65,10 +65,32 @@ def _module_file(module: str) -> Path | None:
     return None
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports that never run."""
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _walk_run_time(tree: ast.AST):
+    """`ast.walk` without the bodies of `if TYPE_CHECKING:` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if _type_checking_only(node):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def _imported_modules(path: Path) -> set[str]:
-    """Project modules a file imports anywhere (top level or inside functions)."""
+    """Project modules a file imports anywhere it runs (top level or inside functions; not the
+    annotations-only imports under `if TYPE_CHECKING:`, which would make every stage's key cover
+    every other stage's code through the pipeline config)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _walk_run_time(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -190,10 +212,64 @@ def attempt_file(run_dir: Path, stage: str) -> Path:
     return run_dir / "artifacts" / stage / "attempt.json"
 
 
+# Files up to this size get a content hash in the manifest; larger ones (model weights) their size.
+HASHED_FILE_BYTES = 1 << 20
+
+
+def file_records(out_dir: Path) -> dict[str, dict]:
+    """{relative path: {"size", "sha256" for small files}} of everything a stage wrote: what its
+    manifest vouches for, checked on every later use (`damage`)."""
+    records = {}
+    for f in sorted(out_dir.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            size = f.stat().st_size
+            records[str(f.relative_to(out_dir))] = {"size": size, **(
+                {"sha256": sha256_file(f)} if size <= HASHED_FILE_BYTES else {})}
+    return records
+
+
+def damage(manifest: dict, out_dir: Path) -> str | None:
+    """What no longer matches the manifest's file records (missing, resized, edited), or None."""
+    for rel, rec in manifest.get("files", {}).items():
+        f = out_dir / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != rec["size"]:
+            return f"{rel} has {size} bytes, {rec['size']} when it was made"
+        if "sha256" in rec and sha256_file(f) != rec["sha256"]:
+            return f"{rel} changed after it was made"
+    return None
+
+
 def read_manifest(run_dir: Path, stage: str, key: str) -> dict | None:
-    """The manifest of a finished artifact, or None (missing, partial or corrupt: not an artifact)."""
+    """The manifest of a finished artifact, or None (missing, partial, corrupt, or an output file
+    missing or changed since it was made: not an artifact)."""
     manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
-    return manifest if manifest and manifest.get("key") == key else None
+    if not manifest or manifest.get("key") != key:
+        return None
+    return manifest if damage(manifest, artifact_dir(run_dir, stage, key)) is None else None
+
+
+def damaged_reason(run_dir: Path, stage: str, key: str) -> str | None:
+    """Why a finished artifact for `key` no longer counts ('output damaged: ...'), or None."""
+    manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
+    if not manifest or manifest.get("key") != key:
+        return None
+    problem = damage(manifest, artifact_dir(run_dir, stage, key))
+    return f"output damaged: {problem}" if problem else None
+
+
+def replace_dir(new: Path, dest: Path) -> None:
+    """Put directory `new` at `dest`, replacing what is there; the old copy is removed only after."""
+    import shutil
+
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def output_paths(manifest: dict, out_dir: Path) -> dict[str, Path]:

@@ -15,3 +15,7 @@ class DataError(UserError):
 
 class LockError(UserError):
     """Another run holds the run directory's lock (exit code 3: try again later, nothing is wrong)."""
+
+
+class StorageError(UserError):
+    """The object store could not be used (auth, network, throttling): never taken as "not there"."""

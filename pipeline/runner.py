@@ -29,6 +29,9 @@ from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
 from pipeline.stage import load as load_stage
 
+FORCED = "forced (--force)"  # the reason of a stage the user forced: it reruns from scratch
+
+
 @dataclass
 class PlannedStage:
     spec: StageSpec
@@ -112,8 +115,10 @@ def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, st
     for p in spec.reads:  # whether a swept stage takes the sweep's values does not change the sweep
         if isinstance(config[p], dict):
             config[p].pop("use_tuned", None)
+    stage = load_stage(spec.module)
     code = {}
-    for name in (spec.module, *spec.code):
+    for name in (spec.module, *spec.code, *stage.configured_code(stage_cfg if stage_cfg is not None
+                                                                  else get_path(cfg, spec.config))):
         code.update(artifacts.code_fingerprint(name))
     return {
         "stage": spec.name,
@@ -213,13 +218,14 @@ class Planner:
         finished = local or remote
         always = load_stage(spec.module).always_runs(stage_cfg)
         if spec.name in self.chosen and spec.name in self.forced:
-            status, reason = "miss", "forced (--force)"
+            status, reason = "miss", FORCED
         elif always:
             status, reason = "miss", always
         elif finished:
             status, reason = "hit", f"cached ({key})" if local else f"cached in {self.store.uri} ({key})"
         else:
-            status, reason = "miss", explain_miss(cfg.run_dir, spec, key, comps)
+            status, reason = "miss", (artifacts.damaged_reason(cfg.run_dir, spec.name, key)
+                                      or explain_miss(cfg.run_dir, spec, key, comps))
         return PlannedStage(spec, key, comps, status_if(status), reason, finished, stage_cfg)
 
 
@@ -396,17 +402,31 @@ def _sigterm_as_interrupt(*_: Any) -> None:
 
 
 def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: RunContext) -> dict:
-    """Execute one missed stage into its artifact dir and write its manifest last."""
-    if ctx.out_dir.exists():  # a forced rerun, or partial output of an interrupted attempt
+    """Execute one missed stage into its artifact dir and write its manifest last.
+
+    A rerun over a finished artifact (`--force`, or a stage that always runs) builds into a staging
+    directory and replaces the artifact only once it has succeeded, so a failed rerun leaves the
+    last good result usable, locally and in the bucket. A forced stage also starts from scratch:
+    its checkpoints from earlier attempts are removed first (locally and in the bucket)."""
+    final = ctx.out_dir
+    staged = artifacts.read_manifest(cfg.run_dir, p.spec.name, p.key) is not None
+    if staged:
+        ctx.out_dir = final.with_name(f".{p.key}.staging")
+    if ctx.out_dir.exists():  # partial output of an interrupted attempt (never a finished artifact)
         (ctx.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)  # first: a half-deleted dir is never a hit
         shutil.rmtree(ctx.out_dir)
     ctx.out_dir.mkdir(parents=True)
+    if p.reason == FORCED:
+        shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)
+        ctx.storage.drop_path(ctx.checkpoint_dir)
     store = storage.from_config(cfg)
-    if store is not None:
-        storage.clear_artifact(store, p.spec.name, p.key)
+    if store is not None and storage.remote_manifest(store, p.spec.name, p.key) is None:
+        storage.clear_artifact(store, p.spec.name, p.key)  # what an interrupted attempt left there
     artifacts.write_json_atomic(artifacts.attempt_file(cfg.run_dir, p.spec.name),
                                 {"key": p.key, "components": p.components, "pid": os.getpid()})
     start = time.time()
+    if os.environ.get("PIPELINE_FAULT_IN_STAGE") == p.spec.name:  # fault drills: a stage that crashes
+        raise RuntimeError(f"injected fault in stage '{p.spec.name}' (PIPELINE_FAULT_IN_STAGE)")
     outputs = load_stage(p.spec.module).run(p.config if p.config is not None else get_path(cfg, p.spec.config), ctx)
     missing = [o for o in p.spec.outputs if o not in outputs or not Path(outputs[o]).exists()]
     if missing:
@@ -415,12 +435,19 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: RunContext) -> dict:
         "stage": p.spec.name, "key": p.key, "components": p.components, "metrics": ctx.metrics,
         "outputs": {o: str(Path(outputs[o]).relative_to(ctx.out_dir)) if Path(outputs[o]).is_relative_to(ctx.out_dir)
                     else str(outputs[o]) for o in p.spec.outputs},
+        "files": artifacts.file_records(ctx.out_dir),
         "duration_s": round(time.time() - start, 3), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "code_version": git_version(), "host": socket.gethostname(),
     }
     artifacts.write_json_atomic(ctx.out_dir / artifacts.MANIFEST, manifest)
+    if staged:
+        artifacts.replace_dir(ctx.out_dir, final)
+        ctx.storage.drop_path(ctx.out_dir)  # the staging copy the data stage may have written through
+        ctx.out_dir = final
     if store is not None:
         t0 = time.time()
+        if staged:  # the bucket's copy is the previous result: replaced only now that the new one exists
+            storage.clear_artifact(store, p.spec.name, p.key)
         sent = storage.push_artifact(store, cfg.run_dir, p.spec.name, p.key)
         ctx.progress(f"pushed {sent / 2**20:.1f} MiB to {store.url(f'artifacts/{p.spec.name}/{p.key}')} "
                      f"in {time.time() - t0:.1f}s")

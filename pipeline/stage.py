@@ -6,6 +6,7 @@ A stage is a module (`stages/<name>.py`, or a package such as `stages/ppo/`) tha
     run(cfg: <its config section>, ctx: StageContext) -> dict[str, Path]    # required
     raw_inputs(pipeline_cfg: PipelineConfig) -> list[Path]                    # optional hook
     always_runs(cfg: <its config section>) -> str | None                      # optional hook
+    configured_code(cfg: <its config section>) -> list[str]                  # optional hook
 
 `run` writes its outputs under `ctx.out_dir` and returns {output name: path} for every output
 the registry lists. It talks to the rest of the system only through `ctx`: its inputs, its
@@ -89,6 +90,11 @@ def _cached_normally(cfg: Any) -> str | None:
     return None
 
 
+def _no_configured_code(cfg: Any) -> list[str]:
+    """Default `configured_code`: the stage imports no module named by its config."""
+    return []
+
+
 @dataclass(frozen=True)
 class Stage:
     """A loaded stage module with both optional hooks filled in (this is the one place that looks them up).
@@ -97,12 +103,15 @@ class Stage:
       local checkpoint); their fingerprints are part of its cache key, so editing one reruns it.
     - `always_runs(cfg)`: a reason to run even on a cache hit (e.g. serve with `block: true`, whose
       point is the running server), or None.
+    - `configured_code(cfg)`: modules the stage imports at run time by a name in its config (a
+      custom reward function); their code is part of its cache key like the stage's own.
     """
 
     module: ModuleType
     run: Callable[[Any, StageContext], dict[str, Path]]
     raw_inputs: Callable[[Any], list[Path]]
     always_runs: Callable[[Any], str | None]
+    configured_code: Callable[[Any], list[str]]
 
 
 def load(module_name: str) -> Stage:
@@ -111,4 +120,5 @@ def load(module_name: str) -> Stage:
     if not callable(getattr(module, "run", None)):
         raise TypeError(f"stage module {module_name} has no run(cfg, ctx) function")
     return Stage(module, module.run, getattr(module, "raw_inputs", _no_raw_inputs),
-                 getattr(module, "always_runs", _cached_normally))
+                 getattr(module, "always_runs", _cached_normally),
+                 getattr(module, "configured_code", _no_configured_code))

@@ -41,7 +41,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from pipeline.artifacts import MANIFEST, read_manifest
-from pipeline.errors import UserError
+from pipeline.errors import StorageError, UserError
 from pipeline.schema import Section
 
 class StorageConfig(Section):
@@ -100,13 +100,18 @@ class ObjectStore:
     # ---------------------------------------------------------------- files
 
     def read_bytes(self, rel: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist. Any other failure (credentials,
+        network, throttling) is a `StorageError`: a cache check must not read it as "missing" and
+        redo, or resume from nothing."""
         from pyarrow.lib import ArrowException
 
         try:
             with self.fs.open_input_stream(self.path(rel)) as f:
                 return f.read()
-        except (FileNotFoundError, ArrowException, OSError):
+        except FileNotFoundError:
             return None
+        except (ArrowException, OSError) as exc:
+            raise StorageError(f"cannot read {self.url(rel)}: {exc}") from exc
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         with self.fs.open_output_stream(self.path(rel)) as f:
@@ -126,8 +131,10 @@ class ObjectStore:
         base = self.path(rel)
         try:
             infos = self.fs.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True))
-        except OSError:
+        except FileNotFoundError:
             return {}
+        except OSError as exc:
+            raise StorageError(f"cannot list {self.url(rel)}: {exc}") from exc
         return {i.path[len(base) + 1:]: i.size for i in infos if i.type == fs.FileType.File}
 
     def upload_dir(self, local: Path, rel: str, last: str | None = None, skip_same_size: bool = False) -> int:
@@ -154,6 +161,10 @@ class ObjectStore:
         returns the bytes downloaded. `skip_same_size` keeps local files of the remote size."""
         got = 0
         for name, size in self.files(rel).items():
+            parts = Path(name).parts
+            if Path(name).is_absolute() or not parts or ".." in parts:  # would land outside `local`
+                raise StorageError(f"refusing to download {self.url(rel)}/{name}: the object name leaves "
+                                   "the directory it is downloaded into")
             dest = local / name
             if skip_same_size and dest.is_file() and dest.stat().st_size == size:
                 continue
@@ -402,6 +413,8 @@ def probe(store: ObjectStore) -> str:
         store.write_bytes(rel, b"ok")
         ok = store.read_bytes(rel) == b"ok"
         store.delete(rel)
+    except StorageError as exc:
+        return str(exc.__cause__ or exc)
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "" if ok else "wrote a marker object but could not read it back"

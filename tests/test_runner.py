@@ -21,6 +21,12 @@ def raw_inputs(pcfg):
 def run(cfg, ctx):
     with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
         f.write("a\\n")
+    # a step counter in its checkpoints, as a training stage resumes from them
+    ckpt = ctx.checkpoint_dir / "step"
+    start = int(ckpt.read_text()) if ckpt.exists() else 0
+    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.write_text(str(start + 1))
+    (ctx.out_dir / "started_at_step.txt").write_text(str(start))
     (ctx.out_dir / "partial.txt").write_text("half")
     if (ctx.pipeline.run_dir / "FAIL_A").exists():
         raise RuntimeError("boom")
@@ -215,3 +221,76 @@ def test_with_an_object_store_an_empty_run_dir_pulls_and_the_bucket_is_kept_comp
         assert t.plan(*args)["toy_c"].status == "miss"
         assert t.run(*args) == ["c"]
         assert storage.remote_manifest(store, "toy_c", keys["toy_c"]) is not None
+
+
+def test_force_reruns_from_scratch_and_a_failed_rerun_keeps_the_last_good_artifact(toy):
+    t, _, _, run_dir = toy
+    t.run()
+    key = t.plan()["toy_a"].key
+    out = artifacts.artifact_dir(run_dir, "toy_a", key)
+    assert (out / "started_at_step.txt").read_text() == "0"
+    assert t.run(force=["toy_a"]) == ["a"]
+    assert (out / "started_at_step.txt").read_text() == "0"  # its checkpoints were cleared: not resumed
+
+    (run_dir / "FAIL_A").write_text("")
+    before = artifacts.read_manifest(run_dir, "toy_a", key)
+    with pytest.raises(RuntimeError, match="boom"):
+        t.run(force=["toy_a"])
+    assert artifacts.read_manifest(run_dir, "toy_a", key) == before  # the last good result is untouched
+    assert (out / "a.txt").read_text() == "64"
+    assert t.plan()["toy_a"].status == "hit"
+    (run_dir / "FAIL_A").unlink()
+    assert t.run() == []
+
+
+def test_a_truncated_or_missing_output_is_a_miss_not_a_hit(toy):
+    t, _, _, run_dir = toy
+    t.run()
+    out = artifacts.artifact_dir(run_dir, "toy_a", t.plan()["toy_a"].key)
+    (out / "a.txt").write_text("6")  # truncated after it was made
+    plan = t.plan()
+    assert plan["toy_a"].status == "miss" and plan["toy_a"].reason == "output damaged: a.txt has 1 bytes, 2 when it was made"
+    assert plan["toy_b"].status == "hit"  # the same key upstream: only the damaged stage reruns
+    assert t.run() == ["a"] and (out / "a.txt").read_text() == "64"
+    (out / "a.txt").write_text("65")  # the same size, other content
+    assert "a.txt changed after it was made" in t.plan()["toy_a"].reason
+    (out / "a.txt").unlink()
+    assert t.plan()["toy_a"].reason == "output damaged: a.txt is missing"
+
+
+def test_a_custom_rule_reward_module_is_part_of_the_ppo_key(tmp_path, monkeypatch):
+    """`rewards.rule: module:function` is code ppo imports by a configured name: editing it reruns ppo."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "my_reward.py").write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(code))
+
+    def plan():
+        return {p.spec.name: p for p in build_plan(smoke_config(tmp_path / "run", "stages.ppo.rewards.rule=my_reward:score"))}
+
+    before = plan()
+    assert any(path.endswith("my_reward.py") for path in before["ppo"].components["code"])
+    (code / "my_reward.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")
+    after = plan()
+    assert after["ppo"].key != before["ppo"].key
+    assert [after[n].key for n in ("model", "data", "sft", "reward")] == [before[n].key for n in ("model", "data", "sft", "reward")]
+
+
+def test_a_stage_is_keyed_on_its_own_code_so_editing_another_stage_keeps_it_cached(tmp_path, monkeypatch):
+    """An edit to PPO's code (simulated: its files hash differently) changes the ppo key (and
+    serve's, downstream) but not the sweep's or the stages before it. Imports made only for type
+    annotations (`if TYPE_CHECKING:`) used to pull every stage into every key through the config."""
+    from pipeline import artifacts as arts
+
+    sweep = ["stages.tune.target=sft", "stages.tune.search_space.lr.grid=[0.001, 0.01]"]
+
+    def keys():
+        return {p.spec.name: p.key for p in build_plan(smoke_config(tmp_path / "run", *sweep))}
+
+    before = keys()
+    real = arts.sha256_file
+    monkeypatch.setattr(arts, "sha256_file", lambda p: "edited" if "stages/ppo/" in str(p) else real(p))
+    after = keys()
+    assert after["ppo"] != before["ppo"] and after["serve"] != before["serve"]
+    for name in ("model", "data", "sft", "reward", "tune"):
+        assert after[name] == before[name], name

@@ -53,6 +53,35 @@ def node_storage(s3, tmp_path, request):
 # --------------------------------------------------------------------------- units
 
 
+def test_a_storage_failure_is_an_error_never_missing(tmp_path):
+    """A bucket that cannot be reached (here: nothing listens) is not a bucket without the artifact:
+    the cache check and a checkpoint pull fail, naming the object, instead of redoing or resuming
+    from nothing."""
+    from pipeline.errors import StorageError
+    from pipeline.storage import ObjectStore, probe, pull_artifact, remote_manifest
+
+    store = ObjectStore("s3://pipeline-test/x", "http://127.0.0.1:9", "us-east-1")
+    with pytest.raises(StorageError, match="cannot read s3://pipeline-test/x/artifacts/sft/k/manifest.json"):
+        remote_manifest(store, "sft", "k")
+    with pytest.raises(StorageError, match="cannot"):
+        pull_artifact(store, tmp_path, "sft", "k")
+    assert not (tmp_path / "artifacts" / "sft" / "k").exists()
+    assert "NETWORK_CONNECTION" in probe(store)
+
+
+def test_a_download_refuses_object_names_that_leave_its_directory(s3, tmp_path):
+    import boto3
+
+    from pipeline.errors import StorageError
+
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    client.put_object(Bucket=BUCKET, Key="evil/ckpt/../../../escaped", Body=b"x")
+    client.put_object(Bucket=BUCKET, Key="evil/ckpt/ok", Body=b"y")
+    with pytest.raises(StorageError, match="leaves the directory"):
+        s3.store("evil").download_dir("ckpt", tmp_path / "deep" / "out")
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
 def test_config_rejects_a_storage_uri_that_is_not_an_object_store(tmp_path):
     from pipeline.errors import ConfigError
 

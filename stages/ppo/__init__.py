@@ -271,6 +271,11 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
 # --------------------------------------------------------------------------- the stage
 
 
+def configured_code(cfg: PPOConfig) -> list[str]:
+    """A custom rule reward's module (`rewards.rule: module:function`): editing it reruns ppo."""
+    return [cfg.rewards.rule.split(":", 1)[0]] if ":" in cfg.rewards.rule else []
+
+
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model."""
     import ray
