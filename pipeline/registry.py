@@ -36,7 +36,8 @@ STAGES: tuple[StageSpec, ...] = (
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs"),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced"),
-    StageSpec("serve", "stages.serve", "stages.serve", ("seed",), ("policy_model",), ("served_model",),
+    # serve registers in the tracking server's model registry: another registry is another result
+    StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),
               "MLflow Model Registry + Ray Serve LLM: register the model, serve an OpenAI-compatible API"),
 )
 

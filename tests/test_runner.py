@@ -294,3 +294,12 @@ def test_a_stage_is_keyed_on_its_own_code_so_editing_another_stage_keeps_it_cach
     assert after["ppo"] != before["ppo"] and after["serve"] != before["serve"]
     for name in ("model", "data", "sft", "reward", "tune"):
         assert after[name] == before[name], name
+
+
+def test_the_serve_key_includes_the_registry_it_registers_in(tmp_path):
+    def keys(uri):
+        return {p.spec.name: p.key for p in build_plan(smoke_config(tmp_path / "run", f"mlflow.tracking_uri={uri}"))}
+
+    a, b = keys(f"sqlite:///{tmp_path / 'a.db'}"), keys(f"sqlite:///{tmp_path / 'b.db'}")
+    assert a["serve"] != b["serve"]
+    assert all(a[n] == b[n] for n in ("model", "data", "sft", "reward", "ppo"))

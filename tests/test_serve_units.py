@@ -59,6 +59,16 @@ def test_registry_versions_only_changed_models_and_moves_the_alias(tmp_path):
     assert (got / "model.safetensors").read_bytes() == b"weights-1"
     assert model_registry.fetch("models:/m/2", uri, tmp_path / "cache").joinpath("model.safetensors").read_bytes() == b"weights-2"
     assert not list((tmp_path / "cache" / "m").glob(".download-*"))  # no half-written download left behind
+    # Another registry's "version 1" is another model: never served from the first one's download.
+    other_uri = f"sqlite:///{tmp_path / 'other.db'}"
+    other = MlflowClient(other_uri)
+    other_exp = other.create_experiment("e", artifact_location=(tmp_path / "other-art").as_uri())
+    c = _model(tmp_path / "c", b"weights-other")
+    assert model_registry.register(other, "m", "champion", c, other.create_run(other_exp).info.run_id, {})["version"] == 1
+    assert model_registry.fetch("models:/m/1", other_uri, tmp_path / "cache").joinpath(
+        "model.safetensors").read_bytes() == b"weights-other"
+    assert model_registry.fetch("models:/m/1", uri, tmp_path / "cache").joinpath(
+        "model.safetensors").read_bytes() == b"weights-1"
     with pytest.raises(UserError, match="models:/m@nope: not found in the model registry"):
         model_registry.fetch("models:/m@nope", uri, tmp_path / "cache")
     with pytest.raises(UserError, match="not a model directory"):

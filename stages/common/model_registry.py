@@ -18,6 +18,7 @@ version (and moves the alias back to it), so rerunning the pipeline adds no vers
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -83,7 +84,8 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
     """A local directory holding the model behind `uri`.
 
     A local path is returned as it is. A `models:/NAME@ALIAS` or `models:/NAME/VERSION` URI is
-    resolved to its version and downloaded once into `cache_dir/NAME/VERSION` (into a temporary
+    resolved to its version and downloaded once into `cache_dir/NAME/VERSION-<hash of tracking URI,
+    run id, source and model hash>` (into a temporary
     directory first, renamed when complete: an interrupted download is never taken as a model).
     """
     from mlflow.exceptions import MlflowException
@@ -108,7 +110,10 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
     except MlflowException as exc:
         raise UserError(f"{uri}: not found in the model registry at {tracking_uri} ({exc.message.splitlines()[0]}); "
                         "list versions in the MLflow UI (Models tab) or run the serve stage to register one") from None
-    target = Path(cache_dir) / name / str(version.version)
+    # Keyed by where the version lives, not just its number: another registry's (or a recreated
+    # registry's) "version 1" is another model and must never be served from this download.
+    source = json.dumps([tracking_uri, version.run_id, version.source, (version.tags or {}).get(HASH_TAG)])
+    target = Path(cache_dir) / name / f"{version.version}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
