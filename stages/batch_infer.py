@@ -262,6 +262,13 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
     return summary
 
 
+def check_not_all_failed(summary: dict, prompts) -> None:
+    """A run in which every row failed produced nothing: a stage failure, never a cached result."""
+    if summary["rows"] and summary["rows_failed"] == summary["rows"]:
+        raise RuntimeError(f"batch_infer: all {summary['rows']} rows of {prompts} failed (the first errors are "
+                           "logged above); nothing is cached")
+
+
 def run(cfg: BatchInferConfig, ctx: StageContext) -> dict[str, Path]:
     """As a pipeline stage: the configured source model over the prompts; the summary goes to MLflow."""
     prompts = cfg.prompts or ctx.inputs["prompt_data"] / "eval"
@@ -269,6 +276,7 @@ def run(cfg: BatchInferConfig, ctx: StageContext) -> dict[str, Path]:
     reward_dir = ctx.inputs.get("reward_model") if cfg.score.reward_model else None
     summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed,
                     ctx.storage)
+    check_not_all_failed(summary, prompts)
     ctx.progress(f"results in {ctx.out_dir / 'predictions'}")
     ctx.log_metrics(summary)
     ctx.log_artifact(ctx.out_dir / "summary.json")

@@ -13,7 +13,7 @@ from conftest import smoke_config
 from pipeline import artifacts
 from pipeline.errors import ConfigError, UserError
 from pipeline.runner import build_plan
-from stages.batch_infer import BatchInferConfig, request, result, summarize
+from stages.batch_infer import BatchInferConfig, check_not_all_failed, request, result, summarize
 from stages.common import model_registry
 from stages.serve import RequestGuard, body_problem, key_tags, percentile
 
@@ -148,6 +148,9 @@ def test_batch_rows_keep_every_input_and_report_failures():
     rows = [{**row_ok, "correct": 1.0, "reward": 0.5}, {**row_bad, "correct": None, "reward": None}, row_long]
     assert summarize(rows, 2.0) == {"rows": 3, "rows_failed": 2, "generated_tokens": 5, "wall_s": 2.0,
                                     "tokens_per_s": 2.5, "accuracy": 1.0, "accuracy_rows": 1, "mean_reward": 0.5}
+    check_not_all_failed(summarize(rows, 2.0), "p.jsonl")  # some rows answered: a result
+    with pytest.raises(RuntimeError, match="all 2 rows of p.jsonl failed"):  # none did: a failed stage, not cached
+        check_not_all_failed(summarize([{**row_bad, "correct": None}, row_long], 2.0), "p.jsonl")
 
 
 def test_serve_config_errors_name_the_key(tmp_path):
