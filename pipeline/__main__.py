@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--address", help="the cluster's dashboard URL (default: RAY_API_SERVER_ADDRESS or an "
                             f"http RAY_ADDRESS, else {'http://127.0.0.1:8265'})")
             sp.add_argument("--wait", action="store_true", help="follow the job's log; exit with its outcome")
+            sp.add_argument("--deadline", type=float, metavar="SECONDS",
+                            help="with --wait: stop the job and exit 1 if it is still running after SECONDS")
         if name == "run":
             sp.add_argument("--json", action="store_true",
                             help="print a machine-readable summary on stdout (per stage: hit/miss, duration, "
@@ -80,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
         jp.add_argument("--address", help="the cluster's dashboard URL (default as for submit)")
         if name == "logs":
             jp.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+        if name == "stop":
+            jp.add_argument("--timeout", type=float, default=60, metavar="SECONDS",
+                            help="how long to wait for the job to end (default 60); exit 1 if it has not")
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
     sv = common("serve", "serve a registered model behind the OpenAI-compatible API until Ctrl-C "
@@ -235,7 +240,7 @@ def _command(args, console, state: dict) -> int:
     if args.command == "logs":
         return jobs.logs(args.address, args.job_id, args.follow)
     if args.command == "stop":
-        return jobs.stop(args.address, args.job_id, console)
+        return jobs.stop(args.address, args.job_id, console, args.timeout)
     if args.command == "submit" and not any(o.startswith("ray.address=") for o in args.overrides):
         # The job's driver joins its cluster (RAY_ADDRESS is set for it); nor is this machine's CPU count
         # the limit to validate against.
@@ -278,9 +283,11 @@ def _command(args, console, state: dict) -> int:
         from pipeline.runner import selection as validate_selection
 
         validate_selection(cfg, **selection)  # bad stage names fail here, not on the cluster
+        if args.deadline is not None and (not args.wait or args.deadline <= 0):
+            raise UserError("--deadline SECONDS needs --wait and a positive number of seconds")
         job_id = jobs.submit(cfg, args.config, args.address, selection, console)
         print(job_id)
-        return jobs.wait(args.address, job_id, console) if args.wait else 0
+        return jobs.wait(args.address, job_id, console, args.deadline) if args.wait else 0
     plan = build_plan(cfg, **selection)  # reads only: user errors surface before anything is written
     state["summary"]["plan"] = plan
     if args.command == "plan":

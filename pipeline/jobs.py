@@ -115,11 +115,20 @@ def job_exit_code(status: str, driver_exit_code: int | None) -> int:
     return driver_exit_code if driver_exit_code not in (None, 0) else 1
 
 
-def follow(address: str | None, job_id: str, out=sys.stdout, poll_s: float = 2.0) -> str:
-    """Print the job's log as it grows until the job ends; return its final status."""
+class DeadlinePassed(Exception):
+    """`follow` gave up: the job was still running at its deadline."""
+
+
+def follow(address: str | None, job_id: str, out=sys.stdout, poll_s: float = 2.0,
+           deadline_s: float | None = None) -> str:
+    """Print the job's log as it grows until the job ends; return its final status.
+    With `deadline_s`: raise `DeadlinePassed` if it is still running that many seconds from now."""
     jobs = client(address)
     shown = 0
+    end = None if deadline_s is None else time.time() + deadline_s
     while True:
+        if end is not None and time.time() > end:
+            raise DeadlinePassed(job_id)
         status = str(jobs.get_job_status(job_id).value)
         logs = jobs.get_job_logs(job_id)
         if len(logs) > shown:
@@ -131,12 +140,18 @@ def follow(address: str | None, job_id: str, out=sys.stdout, poll_s: float = 2.0
         time.sleep(poll_s)
 
 
-def wait(address: str | None, job_id: str, console) -> int:
+def wait(address: str | None, job_id: str, console, deadline_s: float | None = None) -> int:
+    """Follow the job to its end; its outcome as `run`'s exit code. Past `deadline_s` the job is
+    stopped and the exit code is 1 (a scheduler's run that overran is a failure)."""
     try:
-        status = follow(address, job_id)
+        status = follow(address, job_id, deadline_s=deadline_s)
     except KeyboardInterrupt:
         console.print(f"stopped following; the job keeps running (`python -m pipeline stop {job_id}` ends it)")
         return 130
+    except DeadlinePassed:
+        console.print(f"job {job_id}: still running after the {deadline_s:g}s deadline (--deadline); stopping it")
+        stop(address, job_id, console)
+        return 1
     info = client(address).get_job_info(job_id)
     code = job_exit_code(status, info.driver_exit_code)
     console.print(f"job {job_id}: {status} (exit code {code})")
@@ -173,7 +188,12 @@ def stop(address: str | None, job_id: str, console, timeout_s: float = 60) -> in
     deadline = time.time() + timeout_s
     while time.time() < deadline and str(jobs.get_job_status(job_id).value) not in TERMINAL:
         time.sleep(1)
-    console.print(f"{job_id}: {jobs.get_job_status(job_id).value}")
+    final = str(jobs.get_job_status(job_id).value)
+    console.print(f"{job_id}: {final}")
+    if final not in TERMINAL:
+        console.print(f"{job_id} is still {final} {timeout_s:g}s after the stop request; check again with "
+                      f"`python -m pipeline status {job_id}` (or raise --timeout)")
+        return 1
     return 0
 
 

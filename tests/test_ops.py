@@ -149,6 +149,55 @@ def test_job_exit_codes_follow_the_run_command():
     assert job_exit_code("STOPPED", None) == 130
 
 
+class _FakeJobs:
+    """A Ray job client whose job never leaves RUNNING (or leaves it once stopped, if `obeys`)."""
+
+    def __init__(self, obeys: bool):
+        self.obeys, self.status, self.stops = obeys, "RUNNING", 0
+
+    def get_job_info(self, job_id):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(status=SimpleNamespace(value=self.status), driver_exit_code=None)
+
+    def get_job_status(self, job_id):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(value=self.status)
+
+    def get_job_logs(self, job_id):
+        return "working\n"
+
+    def stop_job(self, job_id):
+        self.stops += 1
+        if self.obeys:
+            self.status = "STOPPED"
+
+
+def test_stop_fails_while_the_job_still_runs_and_wait_enforces_a_deadline(monkeypatch, capsys):
+    from rich.console import Console
+
+    from pipeline import jobs
+
+    stubborn = _FakeJobs(obeys=False)
+    monkeypatch.setattr(jobs, "client", lambda address: stubborn)
+    assert jobs.stop(None, "j1", Console(), timeout_s=0.1) == 1  # still RUNNING after the timeout: not a success
+    assert "still RUNNING 0.1s after the stop request" in capsys.readouterr().out
+
+    obedient = _FakeJobs(obeys=True)
+    monkeypatch.setattr(jobs, "client", lambda address: obedient)
+    assert jobs.stop(None, "j2", Console(), timeout_s=5) == 0
+    obedient.status = "RUNNING"
+    assert jobs.wait(None, "j3", Console(), deadline_s=0.1) == 1  # overran its deadline: stopped, exit 1
+    assert obedient.stops == 2 and obedient.status == "STOPPED"
+    assert "still running after the 0.1s deadline" in capsys.readouterr().out
+
+
+def test_submit_deadline_needs_wait(tmp_path):
+    result = run_cli("submit", str(SMOKE), f"run_dir={tmp_path / 'run'}", "--deadline", "60")
+    assert result.returncode == 2 and "--deadline SECONDS needs --wait" in result.stderr
+
+
 def test_dashboard_address_precedence(monkeypatch):
     from pipeline.jobs import DEFAULT_ADDRESS, dashboard_address
 
