@@ -226,8 +226,11 @@ def test_deepspeed_jit_builds_go_to_this_environment_unless_the_user_chose_a_dir
     from stages.common.deepspeed import isolate_jit_builds
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
     isolate_jit_builds()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "torch_extensions")
+    # the environment's own ninja builds them, whatever PATH the worker was started with
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     isolate_jit_builds()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
