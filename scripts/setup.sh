@@ -24,6 +24,11 @@ if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && ! ldconfig -p | grep -
   (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null) || echo "setup: libtcmalloc-minimal4 not installed (optional)"
 fi
 
+# DeepSpeed's CPU ops are compiled (below): they need a C++ compiler.
+if ! command -v c++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq g++ >/dev/null
+fi
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 # pip's "Location ... is ignored" notes come from this machine kind's extra local indexes: noise.
