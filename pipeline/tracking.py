@@ -11,6 +11,7 @@ server URI works the same way (`mlflow server`, see README).
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,27 @@ MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
 
 
+# scheme://user:password@host -> the password is never logged (a tracking server or object store
+# URI can carry one); what the run needs stays in its own config, only what MLflow shows is redacted.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<secret>[^@/\s]+)@")
+
+
+def redact(value: Any) -> Any:
+    """`value` (a string, or dicts/lists of them) with the passwords of any URIs in it masked."""
+    if isinstance(value, str):
+        return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", value)
+    if isinstance(value, dict):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    return value
+
+
 def log_params(client, run_id: str, params: dict[str, Any]) -> None:
-    """Params in batches within MLflow's limits (100 per call, 6000 characters per value)."""
+    """Params in batches within MLflow's limits (100 per call, 6000 characters per value), redacted."""
     from mlflow.entities import Param
 
-    items = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
+    items = [Param(k, redact(str(v))[:MAX_PARAM_LEN]) for k, v in sorted(params.items())]
     for i in range(0, len(items), BATCH):
         client.log_batch(run_id, params=items[i : i + BATCH])
 
@@ -89,7 +106,7 @@ class Tracker:
         self.client.log_artifact(run_id, str(path), artifact_path)
 
     def log_dict(self, run_id: str, data: Any, name: str) -> None:
-        self.client.log_dict(run_id, data, name)
+        self.client.log_dict(run_id, redact(data), name)
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)

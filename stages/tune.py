@@ -228,7 +228,9 @@ class TrialContext:
         tune.report({**metrics, TIME_ATTR: step or 0})  # PPO's per-iteration results reach ASHA here
 
     def log_dict(self, data: Any, name: str) -> None:
-        self.mlflow_client().log_dict(self.run_id, data, name)
+        from pipeline.tracking import redact
+
+        self.mlflow_client().log_dict(self.run_id, redact(data), name)
 
     def log_artifact(self, path: Path) -> None:
         self.mlflow_client().log_artifact(self.run_id, str(path))
