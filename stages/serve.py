@@ -59,6 +59,16 @@ class HttpConfig(Section):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible API.")
     api_key_env: str | None = Field(None, description="Name of an environment variable holding the API key; "
                                     "requests without `Authorization: Bearer <key>` then get 401. Empty: no key.")
+    allow_unauthenticated: bool = Field(False, description="Allow binding a non-loopback host without api_key_env "
+                                        "(anyone who reaches the port can use the model).")
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self):
+        loopback = self.host in ("localhost", "::1") or self.host.startswith("127.")
+        if not loopback and self.api_key_env is None and not self.allow_unauthenticated:
+            raise ValueError(f"host {self.host} exposes the API beyond this machine without an API key; set "
+                             "api_key_env (recommended), or allow_unauthenticated: true if that is intended")
+        return self
 
 
 class SmokeConfig(Section):
@@ -73,9 +83,11 @@ class SmokeConfig(Section):
 class LimitsConfig(Section):
     """Sampling limits per request, checked before a request reaches an engine (400 above them)."""
 
-    max_tokens: int | None = Field(None, ge=1, description="Largest max_tokens / max_completion_tokens a request may "
-                                   "ask for. Empty: only the context length (engine.max_model_len) limits it.")
-    max_n: int = Field(8, ge=1, description="Largest `n` (completions per request) a request may ask for.")
+    max_tokens: int = Field(1024, ge=1, description="Largest max_tokens / max_completion_tokens a request may "
+                            "ask for; also what a request that names none gets.")
+    max_n: int = Field(8, ge=1, description="Largest `n` / `best_of` (completions per request) a request may ask for.")
+    max_logprobs: int = Field(5, ge=0, description="Largest `top_logprobs` (chat) / `logprobs` (completions).")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; larger ones get 413.")
 
 
 class ServeConfig(Section):
@@ -95,7 +107,7 @@ class ServeConfig(Section):
 
     @model_validator(mode="after")
     def _smoke_within_limits(self):
-        if self.limits.max_tokens is not None and self.smoke.max_tokens > self.limits.max_tokens:
+        if self.smoke.max_tokens > self.limits.max_tokens:
             raise ValueError(f"smoke.max_tokens ({self.smoke.max_tokens}) exceeds limits.max_tokens "
                              f"({self.limits.max_tokens}); lower one or raise the other")
         return self
@@ -126,24 +138,40 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def body_problem(body: bytes, max_tokens: int | None = None, max_n: int | None = None) -> str | None:
-    """Why a POST body is not a JSON object within the sampling limits (None if it is).
+# Integer fields of OpenAI requests, each with the limit that caps it (by LimitsConfig field).
+INT_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "n": "max_n", "best_of": "max_n",
+              "top_logprobs": "max_logprobs", "logprobs": "max_logprobs"}
 
-    Values of the wrong type or sign are left to the ingress, which answers them with a 400 of its own."""
+
+def check_body(body: bytes, limits: LimitsConfig | None = None) -> tuple[str | None, bytes]:
+    """(why a POST body is refused or None, the body to forward).
+
+    The body must be a JSON object whose integer fields are JSON integers (not "64", not 1e4: a
+    string or float would pass a numeric check and reach the engine) within `limits`; a request
+    naming no max_tokens gets the limit as its max_tokens, so no request runs to the context length
+    by default. Chat's boolean `logprobs` is left to the ingress."""
+    limits = limits or LimitsConfig()
     try:
         data = json.loads(body or b"")
     except (ValueError, UnicodeDecodeError) as exc:
-        return f"request body is not valid JSON ({exc})"
+        return f"request body is not valid JSON ({exc})", body
     if not isinstance(data, dict):
-        return "request body must be a JSON object"
-    for field in ("max_tokens", "max_completion_tokens"):
+        return "request body must be a JSON object", body
+    for field, limit_name in INT_FIELDS.items():
         value = data.get(field)
-        if max_tokens is not None and isinstance(value, int) and value > max_tokens:
-            return f"{field} {value} exceeds this server's limit of {max_tokens} tokens per completion"
-    n = data.get("n")
-    if max_n is not None and isinstance(n, int) and n > max_n:
-        return f"n {n} exceeds this server's limit of {max_n} completions per request"
-    return None
+        if value is None or (field == "logprobs" and isinstance(value, bool)):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{field} must be an integer, not {json.dumps(value)}", body
+        limit = getattr(limits, limit_name)
+        if value > limit:
+            what = {"max_tokens": "tokens per completion", "max_n": "completions per request",
+                    "max_logprobs": "log-probabilities per token"}[limit_name]
+            return f"{field} {value} exceeds this server's limit of {limit} {what}", body
+    if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
+        data["max_tokens"] = limits.max_tokens
+        body = json.dumps(data).encode()
+    return None, body
 
 
 def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
@@ -163,9 +191,9 @@ class RequestGuard:
     error shape.
     """
 
-    def __init__(self, app, api_key: str | None, max_tokens: int | None = None, max_n: int | None = None):
+    def __init__(self, app, api_key: str | None, limits: LimitsConfig | None = None):
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
-        self.max_tokens, self.max_n = max_tokens, max_n
+        self.limits = limits or LimitsConfig()
 
     async def _reply(self, send, status: int, message: str, kind: str) -> None:
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
@@ -174,22 +202,27 @@ class RequestGuard:
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") == HEALTH:
+        if scope["type"] not in ("http", "websocket") or scope.get("path") == HEALTH:  # lifespan, health
             return await self.app(scope, receive, send)
         if self.expected is not None:
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
+                if scope["type"] == "websocket":  # refuse the handshake
+                    return await send({"type": "websocket.close", "code": 1008})
                 return await self._reply(send, 401, "invalid or missing API key (send Authorization: Bearer <key>)",
                                          "authentication_error")
-        if scope.get("method") != "POST":
+        if scope["type"] != "http" or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
-        chunks, more = [], True
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limits.max_body_bytes:
+                return await self._reply(send, 413, f"request body larger than this server's limit of "
+                                         f"{self.limits.max_body_bytes} bytes", "invalid_request_error")
             more = message.get("more_body", False)
-        body = b"".join(chunks)
-        problem = body_problem(body, self.max_tokens, self.max_n)
+        problem, body = check_body(b"".join(chunks), self.limits)
         if problem:
             return await self._reply(send, 400, problem, "invalid_request_error")
         sent = False
@@ -237,7 +270,7 @@ def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig):
 
     fastapi_app = init()
     # Added last, so it runs first.
-    fastapi_app.add_middleware(RequestGuard, api_key=api_key, max_tokens=limits.max_tokens, max_n=limits.max_n)
+    fastapi_app.add_middleware(RequestGuard, api_key=api_key, limits=limits)
     ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
     return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([llm_cfg])).bind(
         llm_deployments={llm_cfg.model_id: build_llm_deployment(llm_cfg)},

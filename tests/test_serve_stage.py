@@ -133,11 +133,15 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
                                                                  "messages": [{"role": "user", "content": "hi"}]}),
             "prompt longer than the context": post("/v1/completions", {**good, "prompt": "1 + 1 " * 400}),
             "max_tokens above the limit": post("/v1/completions", {**good, "max_tokens": 33}),
+            "n as a string": post("/v1/completions", {**good, "n": "64"}),
+            "n as a float": post("/v1/completions", {**good, "n": 1e4}),
+            "body above the size limit": post("/v1/completions", {**good, "prompt": "x" * (2 << 20)}),
         }
         statuses = {name: r.status_code for name, r in cases.items()}
         assert statuses == {"no key": 401, "wrong key": 401, "bad JSON": 400, "non-JSON as text/plain": 400,
                             "unknown model": 404, "negative max_tokens": 400, "prompt longer than the context": 400,
-                            "max_tokens above the limit": 400}
+                            "max_tokens above the limit": 400, "n as a string": 400, "n as a float": 400,
+                            "body above the size limit": 413}
         assert "max_tokens" in cases["negative max_tokens"].text and "context length" in cases["prompt longer than the context"].text
         after = post("/v1/completions", good)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] > 0

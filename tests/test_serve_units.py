@@ -15,7 +15,7 @@ from pipeline.errors import ConfigError, UserError
 from pipeline.runner import build_plan
 from stages.batch_infer import BatchInferConfig, check_not_all_failed, request, result, summarize
 from stages.common import model_registry
-from stages.serve import RequestGuard, body_problem, key_tags, percentile
+from stages.serve import LimitsConfig, RequestGuard, check_body, key_tags, percentile
 
 
 def _model(path, weights: bytes):
@@ -103,8 +103,10 @@ def test_request_guard_checks_the_key_and_the_body():
     assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
     status, _, _ = _call(guard("s3cret"), "POST", b"{}", [(b"authorization", b"Bearer wrong")])
     assert status == 401
-    status, body, seen = _call(guard("s3cret"), "POST", b'{"a": 1}', [(b"authorization", b"Bearer s3cret")])
-    assert (status, body, seen) == (200, b"ok", b'{"a": 1}')  # the body reaches the ingress unchanged
+    status, body, seen = _call(guard("s3cret"), "POST", b'{"a": 1, "max_tokens": 5}', [(b"authorization", b"Bearer s3cret")])
+    assert (status, body, seen) == (200, b"ok", b'{"a": 1, "max_tokens": 5}')  # the body reaches the ingress unchanged
+    # a request naming no max_tokens gets the limit (1024 by default), never the whole context
+    assert json.loads(_call(guard(None), "POST", b'{"a": 1}')[2]) == {"a": 1, "max_tokens": 1024}
     status, body, seen = _call(guard(None), "POST", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"] and seen is None
     assert _call(guard(None), "POST", b"[1, 2]")[0] == 400
@@ -112,7 +114,7 @@ def test_request_guard_checks_the_key_and_the_body():
 
 def test_request_guard_enforces_the_sampling_limits():
     def limited(inner):
-        return RequestGuard(inner, None, max_tokens=16, max_n=2)
+        return RequestGuard(inner, None, LimitsConfig(max_tokens=16, max_n=2, max_logprobs=3, max_body_bytes=2048))
 
     status, body, seen = _call(limited, "POST", b'{"max_tokens": 17}')
     assert status == 400 and "max_tokens 17 exceeds this server's limit of 16" in json.loads(body)["error"]["message"]
@@ -120,14 +122,25 @@ def test_request_guard_enforces_the_sampling_limits():
     assert _call(limited, "POST", b'{"max_completion_tokens": 99}')[0] == 400
     assert "n 3 exceeds" in json.loads(_call(limited, "POST", b'{"n": 3}')[1])["error"]["message"]
     assert _call(limited, "POST", b'{"max_tokens": 16, "n": 2}')[0] == 200  # at the limits
-    assert _call(lambda inner: RequestGuard(inner, None), "POST", b'{"max_tokens": 100000}')[0] == 200  # no limit set
+    big = LimitsConfig(max_tokens=200000)
+    assert _call(lambda inner: RequestGuard(inner, None, big), "POST", b'{"max_tokens": 100000}')[0] == 200
+    # numbers that are not JSON integers are refused before any comparison could be fooled
+    for bad in (b'{"n": "64"}', b'{"n": 1e4}', b'{"n": 2.0}', b'{"max_tokens": "9999"}', b'{"best_of": true}'):
+        status, body, seen = _call(limited, "POST", bad)
+        assert status == 400 and "must be an integer" in json.loads(body)["error"]["message"] and seen is None, bad
+    assert "best_of 3 exceeds" in json.loads(_call(limited, "POST", b'{"best_of": 3}')[1])["error"]["message"]
+    assert _call(limited, "POST", b'{"top_logprobs": 4}')[0] == 400 and _call(limited, "POST", b'{"logprobs": 4}')[0] == 400
+    assert _call(limited, "POST", b'{"logprobs": true, "top_logprobs": 3}')[0] == 200  # chat's boolean logprobs
+    status, body, seen = _call(limited, "POST", b'{"prompt": "' + b"x" * 3000 + b'"}')
+    assert status == 413 and seen is None
 
 
 def test_pure_helpers():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 95) == 5.0
     assert abs(percentile(list(map(float, range(1, 101))), 95) - 95.05) < 1e-9
-    assert body_problem(b'{"model": "x"}') is None and "not valid JSON" in body_problem(b"")
+    assert check_body(b'{"model": "x", "max_tokens": 4}') == (None, b'{"model": "x", "max_tokens": 4}')
+    assert "not valid JSON" in check_body(b"")[0]
     assert key_tags({"eval_accuracy": 0.25, "kl": 1.0, "eval_reward": "x"}, ["eval_accuracy", "eval_reward", "acc"]) == \
         {"metric.eval_accuracy": "0.25"}
 
@@ -193,3 +206,24 @@ def test_serve_command_without_a_config_names_the_missing_model(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "models:/no-such-model@champion: not found in the model registry" in result.stderr
     assert str(tmp_path / "m.db") in result.stderr  # it looked in the environment's tracking store
+
+
+def test_websockets_need_the_key_too_and_a_public_bind_needs_a_key(tmp_path):
+    sent = []
+
+    async def inner(scope, receive, send):
+        sent.append("reached the app")
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
+    asyncio.run(RequestGuard(inner, "k")(scope, receive, send))
+    assert sent == [{"type": "websocket.close", "code": 1008}]  # handshake refused, the app never saw it
+    with pytest.raises(ConfigError, match="host 0.0.0.0 exposes the API beyond this machine without an API key"):
+        smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0")
+    assert smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.api_key_env=KEY")
+    assert smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.allow_unauthenticated=true")
