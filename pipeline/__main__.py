@@ -173,7 +173,8 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
             "mlflow_parent_run_id": summary.get("parent_run_id"), "stages": stages}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None):
+    """The command line as `main` reads it; anything else exits 2 with argparse's message."""
     parser = _parser()
     # Overrides may come after flags (`--only model key=value`); argparse leaves those unknown.
     args, extra = parser.parse_known_args(argv)
@@ -183,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     from rich.console import Console
 
     as_json = getattr(args, "json", False)

@@ -250,19 +250,55 @@ def test_storage_problems_name_the_node_that_cannot_use_the_run_dir():
 
 
 def test_deploy_manifests_run_commands_the_cli_accepts():
-    from pipeline.__main__ import _parser
+    from pipeline.__main__ import parse_args
 
     rayjob, pvc = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "rayjob.yaml").read_text())
     assert rayjob["kind"] == "RayJob" and pvc["kind"] == "PersistentVolumeClaim"
     argv = shlex.split(rayjob["spec"]["entrypoint"])
     assert argv[:3] == ["python", "-m", "pipeline"]
-    args, extra = _parser().parse_known_args(argv[3:])
+    args = parse_args(argv[3:])  # strict: an unknown flag fails
     assert args.command == "run" and args.json and Path(args.config).name == "full.yaml"
     cron = yaml.safe_load((ROOT / "deploy" / "k8s" / "cronjob.yaml").read_text())
     assert cron["kind"] == "CronJob" and cron["spec"]["concurrencyPolicy"] == "Forbid"
     container = cron["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-    args, _ = _parser().parse_known_args(container["command"][3:])
+    args = parse_args(container["command"][3:])
     assert args.command == "submit" and args.wait and args.address.startswith("http://")
+
+
+def _containers(node):
+    """Every container spec (dicts with `image`) anywhere in a manifest."""
+    if isinstance(node, dict):
+        if "image" in node and "name" in node:
+            yield node
+        for value in node.values():
+            yield from _containers(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _containers(value)
+
+
+def test_k8s_manifests_are_locked_down_and_bounded_in_time():
+    from pipeline.__main__ import parse_args
+
+    rayjob, _ = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "rayjob.yaml").read_text())
+    cron = yaml.safe_load((ROOT / "deploy" / "k8s" / "cronjob.yaml").read_text())
+    # the dashboard listens where KubeRay's submitter pod reaches it (the head service), behind the token
+    assert rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["dashboard-host"] == "0.0.0.0"
+    # deadlines: the RayJob, the CronJob's pod, and the submit it runs
+    assert rayjob["spec"]["activeDeadlineSeconds"] > 0
+    job = cron["spec"]["jobTemplate"]["spec"]
+    assert job["activeDeadlineSeconds"] > 0
+    args = parse_args(job["template"]["spec"]["containers"][0]["command"][3:])
+    assert 0 < args.deadline < job["activeDeadlineSeconds"]  # the run is stopped before its pod is killed
+    containers = [*_containers(rayjob), *_containers(cron)]
+    assert len(containers) == 4  # submitter, head, workers, cron's submit
+    for c in containers:
+        assert not c["image"].endswith(":latest") and ":" in c["image"].rsplit("/", 1)[-1], c["image"]
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], c["name"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", c["name"]
+        assert "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"] and "value" not in env["RAY_AUTH_TOKEN"], c["name"]
 
 
 def test_dockerfile_is_pinned_non_root_and_runs_the_cli():
