@@ -227,3 +227,18 @@ def test_websockets_need_the_key_too_and_a_public_bind_needs_a_key(tmp_path):
         smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0")
     assert smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.api_key_env=KEY")
     assert smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.allow_unauthenticated=true")
+
+
+def test_engines_load_safetensors_only_and_every_served_model_passes_the_safety_check(tmp_path):
+    import json as _json
+
+    from stages.common.serving import EngineConfig, engine_kwargs
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(_json.dumps({"max_position_embeddings": 64}))
+    (model / "pytorch_model.bin").write_bytes(b"pickle")
+    kwargs = engine_kwargs(EngineConfig(extra={"load_format": "pt"}), model, gpu=False)
+    assert kwargs["load_format"] == "safetensors"  # `extra` cannot switch the engine to pickle weights
+    with pytest.raises(UserError, match="only pickle weights"):  # `pipeline serve --model DIR`, batch-infer
+        model_registry.fetch(str(model), "sqlite:///unused.db", tmp_path / "cache")

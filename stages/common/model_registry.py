@@ -93,12 +93,20 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
 
     from pipeline.errors import UserError
 
+    from stages.common.models import checkpoint_safety_problem
+
+    def safe(path: Path) -> Path:
+        problem = checkpoint_safety_problem(path)  # the check every training stage applies too
+        if problem:
+            raise UserError(f"{uri}: {problem}")
+        return path
+
     if not uri.startswith("models:/"):
         path = Path(uri).expanduser().absolute()
         if not (path / "config.json").is_file():
             raise UserError(f"--model {uri}: not a model directory (no config.json); give a registry URI "
                             "models:/NAME@ALIAS or a directory written by save_pretrained")
-        return path
+        return safe(path)
     client = MlflowClient(tracking_uri=tracking_uri)
     name, _, ref = uri.removeprefix("models:/").partition("@")
     try:
@@ -115,7 +123,7 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
     source = json.dumps([tracking_uri, version.run_id, version.source, (version.tags or {}).get(HASH_TAG)])
     target = Path(cache_dir) / name / f"{version.version}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
     if (target / "config.json").is_file():
-        return target
+        return safe(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
     try:
@@ -126,4 +134,4 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
         os.replace(local, target) if Path(local) != tmp else os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return safe(target)

@@ -58,6 +58,7 @@ def engine_kwargs(cfg: EngineConfig, model_dir: Path, gpu: bool, seed: int = 0) 
         "dtype": cfg.dtype, "max_model_len": context_length(cfg, model_dir), "max_num_seqs": cfg.max_num_seqs,
         "gpu_memory_utilization": cfg.gpu_memory_utilization or (0.9 if gpu else 0.3),
         "enforce_eager": not gpu, "trust_remote_code": cfg.trust_remote_code, "seed": seed, **cfg.extra,
+        "load_format": "safetensors",  # last, so `extra` cannot change it: pickle weights can run code when loaded
     }
 
 

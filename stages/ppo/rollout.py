@@ -159,7 +159,7 @@ class RolloutEngine:
             dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
             distributed_executor_backend="uni", enforce_eager=not spec.gpu,
             gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
-            enable_prefix_caching=True,
+            enable_prefix_caching=True, load_format="safetensors",  # never pickle weights (they can run code)
             # On CPU, a request split by chunked prefill has its sampled token discarded, and vLLM
             # then rewinds the request's seeded generator, which a CPU generator cannot do
             # ("CPU Generator does not use offset"): every seeded batch larger than the token
