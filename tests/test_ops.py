@@ -333,9 +333,24 @@ def test_checkpoints_load_from_safetensors_only_and_never_run_their_code(tmp_pat
     fine = _checkpoint(tmp_path / "fine", "model.safetensors", {})
     assert load_config(SMOKE, [f"model.source={fine}"]).model.source == str(fine)
 
+    # Every model load in the stages goes through SAFE_LOAD (safetensors only, no checkpoint code):
+    # a new loader that forgets it fails here.
+    import ast
+
     from stages.common.models import SAFE_LOAD
-    from stages.common.serving import EngineConfig
 
     assert SAFE_LOAD == {"use_safetensors": True, "trust_remote_code": False}
-    assert EngineConfig().trust_remote_code is False
+    loads = []
+    for path in sorted((ROOT / "stages").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id.startswith("AutoModelFor")):
+                safe = any(k.arg is None and ast.unparse(k.value).endswith("SAFE_LOAD") for k in node.keywords)
+                loads.append((f"{path.relative_to(ROOT)}:{node.lineno}", safe))
+    assert len(loads) >= 5 and [where for where, safe in loads if not safe] == []
+    # and engines: no checkpoint code, safetensors only, unless the config says otherwise (trust_remote_code)
+    from stages.common.serving import EngineConfig, engine_kwargs
+
+    kwargs = engine_kwargs(EngineConfig(), fine, gpu=False)
+    assert kwargs["trust_remote_code"] is False and kwargs["load_format"] == "safetensors"
 
