@@ -156,9 +156,10 @@ class ObjectStore:
             sent += size
         return sent
 
-    def download_dir(self, rel: str, local: Path, skip_same_size: bool = False) -> int:
+    def download_dir(self, rel: str, local: Path, skip_same: bool = False) -> int:
         """Download every file under `rel` into `local` (each written whole, then renamed into place);
-        returns the bytes downloaded. `skip_same_size` keeps local files of the remote size."""
+        returns the bytes downloaded. `skip_same` keeps a local file only when its content matches
+        the object's (its ETag), never on size alone: a stale shard of the same size is replaced."""
         got = 0
         for name, size in self.files(rel).items():
             parts = Path(name).parts
@@ -166,7 +167,8 @@ class ObjectStore:
                 raise StorageError(f"refusing to download {self.url(rel)}/{name}: the object name leaves "
                                    "the directory it is downloaded into")
             dest = local / name
-            if skip_same_size and dest.is_file() and dest.stat().st_size == size:
+            if skip_same and dest.is_file() and dest.stat().st_size == size and self._same_content(
+                    f"{rel}/{name}", dest):
                 continue
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
@@ -175,6 +177,38 @@ class ObjectStore:
             os.replace(tmp, dest)
             got += size
         return got
+
+    def _same_content(self, rel: str, local: Path) -> bool:
+        """Whether `local` holds the object's bytes, by its ETag: the MD5 of a single-part upload, or
+        the MD5 of the parts' MD5s with "-N" for a multipart one (tried with the part sizes pyarrow,
+        boto3 and the AWS CLI use). An ETag none of them reproduces counts as different."""
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                etag = (f.metadata() or {}).get("ETag", b"").decode().strip('"')
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.url(rel)}: {exc}") from exc
+        return bool(etag) and etag in local_etags(local, int(etag.rsplit("-", 1)[1]) if "-" in etag else 0)
+
+
+def local_etags(path: Path, parts: int) -> set[str]:
+    """The ETags an S3 upload of `path` in `parts` parts (0: a single PUT) could have."""
+    import hashlib
+
+    if parts == 0:
+        with path.open("rb") as f:
+            return {hashlib.file_digest(f, "md5").hexdigest()}
+    size, out = path.stat().st_size, set()
+    for part_size in (10 << 20, 8 << 20, 5 << 20, 16 << 20, 64 << 20):
+        if -(-size // part_size) != parts and not (size == 0 and parts == 1):
+            continue
+        digests = hashlib.md5()
+        with path.open("rb") as f:
+            while chunk := f.read(part_size):
+                digests.update(hashlib.md5(chunk).digest())
+        out.add(f"{digests.hexdigest()}-{parts}")
+    return out
 
 
 def from_config(cfg) -> ObjectStore | None:
@@ -367,7 +401,7 @@ class RunStorage:
         with open(path.parent / f".{path.name}.pull.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if store.files(rel):  # a directory
-                return store.download_dir(rel, path, skip_same_size=True)
+                return store.download_dir(rel, path, skip_same=True)
             data = store.read_bytes(rel)  # a file (or nothing)
             if data is None or (path.is_file() and path.read_bytes() == data):
                 return 0

@@ -156,6 +156,9 @@ def test_checkpoint_files_meet_in_the_bucket_and_reach_a_machine_without_them(no
     assert storage.pull_path(ckpt / "iter_00001" / "policy") == 10
     assert (ckpt / "iter_00001" / "policy" / "shard0.pt").read_bytes() == b"a" * 10
     assert storage.pull_path(ckpt / "iter_00001" / "policy") == 0  # already here: nothing downloaded
+    (ckpt / "iter_00001" / "policy" / "shard0.pt").write_bytes(b"b" * 10)  # a stale shard of the same size
+    assert storage.pull_path(ckpt / "iter_00001" / "policy") == 10  # compared by content (ETag): replaced
+    assert (ckpt / "iter_00001" / "policy" / "shard0.pt").read_bytes() == b"a" * 10
     assert storage.pull_path(ckpt / "iter_00009") == 0 and not (ckpt / "iter_00009").exists()
     (ckpt / "latest.json").write_text(json.dumps({"iteration": 0, "dir": "iter_00000"}))  # same size, older
     assert storage.pull_path(ckpt / "latest.json") > 0  # the bucket's record wins
@@ -211,3 +214,18 @@ def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3, tmp_path):
         part = f"artifacts/{name}/{key}"
         assert _tree(tmp_path / "second" / part) == _tree(tmp_path / "first" / part)
     shutil.rmtree(tmp_path / "first", ignore_errors=True)
+
+
+def test_local_etags_match_what_s3_reports_for_single_and_multipart_uploads(s3, tmp_path):
+    """A pyarrow upload above its part size is multipart ("<md5 of part md5s>-N"): recognised too."""
+    from pipeline.storage import local_etags
+
+    store = s3.store("etags")
+    for name, size in (("small", 1000), ("big", (10 << 20) + 123)):
+        path = tmp_path / name
+        path.write_bytes(os.urandom(size))
+        with store.fs.open_output_stream(store.path(f"d/{name}")) as f:
+            f.write(path.read_bytes())
+        with store.fs.open_input_stream(store.path(f"d/{name}")) as f:
+            etag = f.metadata()["ETag"].decode().strip('"')
+        assert etag in local_etags(path, int(etag.rsplit("-", 1)[1]) if "-" in etag else 0), (name, etag)
