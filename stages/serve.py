@@ -300,11 +300,25 @@ def _check_port_free(host: str, port: int) -> None:
                             "using it: stop it or pick another port (stages.serve.http.port=...)") from None
 
 
+def serve_running() -> bool:
+    """Whether Ray Serve already runs on this Ray cluster (its controller actor exists)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
 class Server:
-    """The deployed app: `with Server(cfg, model_dir, log) as url:` deploys, and shuts Serve down on exit."""
+    """The deployed app: `with Server(cfg, model_dir, log) as url:` deploys; on exit it deletes its own
+    app, and shuts Serve down only if it started it (other applications on the cluster keep running)."""
 
     def __init__(self, cfg: ServeConfig, model_dir: Path, log, seed: int = 0):
         self.cfg, self.model_dir, self.log, self.seed = cfg, model_dir, log, seed
+        self.started_serve = self.deployed = False
         self.url = f"http://{'127.0.0.1' if cfg.http.host in ('0.0.0.0', '') else cfg.http.host}:{cfg.http.port}"
 
     def __enter__(self) -> str:
@@ -324,8 +338,14 @@ class Server:
         self.log(f"deploying {self.cfg.served_name()} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
                  f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")
         t0 = time.time()
+        already = serve_running()
+        if already and APP in serve.status().applications:
+            raise UserError(f"a Serve application named {APP!r} already runs on this Ray cluster; stop it "
+                            f"(serve.delete({APP!r})) or run the pipeline on another cluster")
+        self.started_serve = not already
         serve.start(http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
         try:
+            self.deployed = True
             serve.run(app, name=APP, route_prefix="/")  # returns once every replica is RUNNING
         except BaseException:
             self.__exit__()
@@ -337,11 +357,13 @@ class Server:
     def __exit__(self, *exc) -> None:
         from ray import serve
 
-        try:
-            serve.delete(APP)
-        except Exception:  # not deployed (a failed start): shutting Serve down is all that is left
-            pass
-        serve.shutdown()
+        if self.deployed:
+            try:
+                serve.delete(APP)
+            except Exception:  # a failed start left nothing to delete
+                pass
+        if self.started_serve:
+            serve.shutdown()
 
 
 def smoke_load(url: str, cfg: ServeConfig, key: str | None) -> dict[str, float]:

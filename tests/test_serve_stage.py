@@ -60,8 +60,27 @@ def server(registered, tracking_uri, ray_local, tmp_path_factory, monkeypatch_mo
     cfg = smoke_config(run_dir, f"stages.serve.http.port={PORT}", "stages.serve.http.api_key_env=SERVE_TEST_KEY",
                        "stages.serve.engine.max_num_seqs=16", "stages.serve.limits.max_tokens=32").stages.serve
     model_dir = fetch("models:/posttrain-policy@champion", tracking_uri, tmp_path_factory.mktemp("registry_cache"))
-    with Server(cfg, model_dir, print) as url:
-        yield url, cfg.served_name()
+    # Someone else's application already runs on this Ray instance, on another route prefix: the
+    # stage's server must leave it (and Serve) running when it goes (checked after it has gone).
+    from ray import serve
+
+    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    class Bystander:
+        def __call__(self, request) -> str:
+            return "still here"
+
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.run(Bystander.bind(), name="bystander", route_prefix="/bystander")
+    try:
+        with Server(cfg, model_dir, print) as url:
+            yield url, cfg.served_name()
+        assert serve.status().applications["bystander"].status == "RUNNING"  # not deleted with ours
+        assert "posttrain" not in serve.status().applications  # ours is gone
+        import httpx
+
+        assert httpx.get(f"{url}/bystander", timeout=30).text == "still here"  # Serve itself still runs
+    finally:
+        serve.shutdown()  # this fixture started Serve
 
 
 @pytest.fixture(scope="module")
