@@ -395,13 +395,25 @@ def smoke_load(url: str, cfg: ServeConfig, key: str | None) -> dict[str, float]:
             "smoke_requests_per_s": s.requests / wall, "smoke_sample": results[0][2]}
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def wait_for_interrupt(log, url: str) -> None:
+    """Serve until Ctrl-C or SIGTERM (`kill`, a scheduler stopping the job). The interrupt propagates,
+    so the caller's cleanup runs (our app deleted, Serve and Ray shut down if we started them) and
+    the command exits 130. Ray's core worker installs a SIGTERM handler that aborts the process
+    without any cleanup (its dashboard and agents then outlive it): ours is put back here."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
     log(f"serving {url}/v1 until Ctrl-C")
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        log("Ctrl-C: shutting the API down")
+        log("interrupted: shutting the API down")
+        raise
 
 
 # --------------------------------------------------------------------------- driver

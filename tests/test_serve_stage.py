@@ -212,3 +212,39 @@ def test_batch_infer_writes_one_row_per_prompt(registered, tracking_uri, tmp_pat
     again = run_cli("batch-infer", str(SMOKE), f"run_dir={run_dir}", f"mlflow.tracking_uri={tracking_uri}",
                     "--prompts", str(prompts), "--output", str(out))
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
+
+
+def test_sigterm_ends_pipeline_serve_cleanly_with_exit_130(registered, tracking_uri, tmp_path):
+    """`kill PID` on `pipeline serve`: the app is deleted, Ray (which it started) shut down with all its
+    processes, exit 130. (Ray's own SIGTERM handler aborted the process, leaving its dashboard and
+    agents running.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+    from helpers.cluster import end_tree, process_tree
+
+    run_dir, _ = registered
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", str(SMOKE), f"run_dir={run_dir}",
+                             f"mlflow.tracking_uri={tracking_uri}", f"stages.serve.http.port={PORT + 1}"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, start_new_session=True)
+    try:
+        seen, deadline = "", time.time() + 600
+        while "until Ctrl-C" not in seen and time.time() < deadline and proc.poll() is None:
+            seen += proc.stdout.readline()
+        assert "until Ctrl-C" in seen, seen[-3000:]
+        started = process_tree(proc.pid)[1:]  # Ray's processes, engines, agents: all started by the command
+        assert len(started) > 3
+        os.kill(proc.pid, signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=180)
+    finally:
+        end_tree(proc.pid)
+    assert proc.returncode == 130, (seen + rest)[-3000:]
+    assert "shutting the API down" in rest
+    time.sleep(2)
+    alive = [p for p in started if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert alive == [], [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in alive]
