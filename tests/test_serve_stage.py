@@ -246,5 +246,11 @@ def test_sigterm_ends_pipeline_serve_cleanly_with_exit_130(registered, tracking_
     assert proc.returncode == 130, (seen + rest)[-3000:]
     assert "shutting the API down" in rest
     time.sleep(2)
-    alive = [p for p in started if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
-    assert alive == [], [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in alive]
+    def running(pid):  # exists and is not a zombie awaiting its parent
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    alive = [p for p in started if running(p)]
+    assert alive == [], [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in alive if running(p)]
