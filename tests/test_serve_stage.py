@@ -246,11 +246,14 @@ def test_sigterm_ends_pipeline_serve_cleanly_with_exit_130(registered, tracking_
     assert proc.returncode == 130, (seen + rest)[-3000:]
     assert "shutting the API down" in rest
     time.sleep(2)
+
     def running(pid):  # exists and is not a zombie awaiting its parent
         try:
             return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
         except OSError:
             return False
 
-    alive = [p for p in started if running(p)]
-    assert alive == [], [open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in alive if running(p)]
+    alive = {p: open(f"/proc/{p}/cmdline").read().replace("\0", " ")[:120] for p in started if running(p)}
+    for pid in alive:  # what the command left behind (started by this test): ended by PID
+        os.kill(pid, signal.SIGKILL)
+    assert alive == {}
