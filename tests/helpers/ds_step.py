@@ -13,6 +13,9 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PO
 
 
 def main(model_dir: str, stage: int) -> None:
+    from stages.common.deepspeed import isolate_jit_builds
+
+    isolate_jit_builds()  # the ops the pipeline's workers use (built at setup), not a second build
     import deepspeed
     import torch
     from transformers import AutoModelForCausalLM
