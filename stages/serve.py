@@ -333,7 +333,6 @@ class Server:
         if have < self.cfg.cpus_needed():
             raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "
                             f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise ray.num_cpus")
-        _check_port_free(self.cfg.http.host, self.cfg.http.port)
         app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed), key, self.cfg.limits)
         self.log(f"deploying {self.cfg.served_name()} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
                  f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")
@@ -343,6 +342,8 @@ class Server:
             raise UserError(f"a Serve application named {APP!r} already runs on this Ray cluster; stop it "
                             f"(serve.delete({APP!r})) or run the pipeline on another cluster")
         self.started_serve = not already
+        if self.started_serve:  # a running Serve's proxy already holds its port
+            _check_port_free(self.cfg.http.host, self.cfg.http.port)
         serve.start(http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
         try:
             self.deployed = True
