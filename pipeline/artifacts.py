@@ -242,21 +242,24 @@ def damage(manifest: dict, out_dir: Path) -> str | None:
     return None
 
 
+def _checked_manifest(run_dir: Path, stage: str, key: str) -> tuple[dict | None, str | None]:
+    """(the manifest for `key`, or None; what no longer matches its file records, or None)."""
+    manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
+    if not manifest or manifest.get("key") != key:
+        return None, None
+    return manifest, damage(manifest, artifact_dir(run_dir, stage, key))
+
+
 def read_manifest(run_dir: Path, stage: str, key: str) -> dict | None:
     """The manifest of a finished artifact, or None (missing, partial, corrupt, or an output file
     missing or changed since it was made: not an artifact)."""
-    manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
-    if not manifest or manifest.get("key") != key:
-        return None
-    return manifest if damage(manifest, artifact_dir(run_dir, stage, key)) is None else None
+    manifest, problem = _checked_manifest(run_dir, stage, key)
+    return manifest if problem is None else None
 
 
 def damaged_reason(run_dir: Path, stage: str, key: str) -> str | None:
     """Why a finished artifact for `key` no longer counts ('output damaged: ...'), or None."""
-    manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
-    if not manifest or manifest.get("key") != key:
-        return None
-    problem = damage(manifest, artifact_dir(run_dir, stage, key))
+    _, problem = _checked_manifest(run_dir, stage, key)
     return f"output damaged: {problem}" if problem else None
 
 

@@ -108,17 +108,16 @@ def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, st
 
     `stage_cfg` is the stage's own section as it will run (tuned values applied), if not the YAML's.
     """
-    raw = load_stage(spec.module).raw_inputs(cfg)
+    stage = load_stage(spec.module)
+    section = stage_cfg if stage_cfg is not None else get_path(cfg, spec.config)
+    raw = stage.raw_inputs(cfg)
     config = {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)}
-    if stage_cfg is not None:
-        config[spec.config] = to_plain(stage_cfg)
+    config[spec.config] = to_plain(section)
     for p in spec.reads:  # whether a swept stage takes the sweep's values does not change the sweep
         if isinstance(config[p], dict):
             config[p].pop("use_tuned", None)
-    stage = load_stage(spec.module)
     code = {}
-    for name in (spec.module, *spec.code, *stage.configured_code(stage_cfg if stage_cfg is not None
-                                                                  else get_path(cfg, spec.config))):
+    for name in (spec.module, *spec.code, *stage.configured_code(section)):
         code.update(artifacts.code_fingerprint(name))
     return {
         "stage": spec.name,
