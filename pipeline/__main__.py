@@ -237,6 +237,25 @@ def _main(args, console, err, state: dict) -> tuple[int, str | None]:
         return EXIT_FAILED, message
 
 
+def _check_cluster_store(cfg, console) -> None:
+    """`validate` of a config that joins a cluster: a local-file tracking store needs a one-node cluster."""
+    from pipeline.cluster import count_nodes
+    from pipeline.tracking import cluster_store_problem, is_local_store
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address or not is_local_store(cfg.tracking_uri):
+        return
+    try:
+        nodes = count_nodes(address)
+    except UserError as exc:  # the cluster is down: the config itself may still be right
+        console.print(f"[yellow]could not ask the cluster how many nodes it has ({exc}); a cluster of more than "
+                      "one node needs mlflow.tracking_uri set to a tracking server[/]")
+        return
+    problem = cluster_store_problem(cfg.tracking_uri, nodes)
+    if problem:
+        raise UserError(problem)
+
+
 def _command(args, console, state: dict) -> int:
     from pipeline import jobs
     from pipeline.config import load_config
@@ -264,7 +283,10 @@ def _command(args, console, state: dict) -> int:
     if args.command == "validate":
         import yaml
 
-        console.print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+        from pipeline.tracking import redact
+
+        console.print(yaml.safe_dump(redact(cfg.model_dump(mode="json")), sort_keys=False), end="")
+        _check_cluster_store(cfg, console)
         console.print(f"[green]{args.config}: valid[/]")
         return 0
     if args.command == "ui":

@@ -22,17 +22,21 @@ import uuid
 from pathlib import Path
 
 from pipeline import storage
+from pipeline.tracking import cluster_store_problem
 
 # What the cluster's workers need of the project is its code, not the venv, runs or tests.
 RUNTIME_EXCLUDES = [".venv", ".git", "runs", "tests", "bench", "**/__pycache__", "*.egg-info", "mlruns"]
 JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 
 
-def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambda message: None) -> bool:
+def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambda message: None,
+               tracking_uri: str | None = None) -> bool:
     """Connect to Ray if not connected yet; True if this call started (and so must stop) it.
 
     With `run_storage`, a multi-node cluster is first checked to reach the run's bucket from every
-    node (`check_bucket`) or, without one, to share its run_dir (`check_shared_storage`)."""
+    node (`check_bucket`) or, without one, to share its run_dir (`check_shared_storage`). With
+    `tracking_uri`, a multi-node cluster must track to a server, not a local file
+    (`tracking.cluster_store_problem`)."""
     import ray
 
     if ray.is_initialized():
@@ -54,6 +58,12 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log(f"joined the Ray cluster at {address}: {len(nodes)} node(s), "
             f"{sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs, {sum(n['Resources'].get('GPU', 0) for n in nodes):g} GPUs")
+        problem = tracking_uri and cluster_store_problem(tracking_uri, len(nodes))
+        if problem:
+            from pipeline.errors import UserError
+
+            ray.shutdown()
+            raise UserError(problem)
         if run_storage is not None:
             try:
                 store = run_storage.store
@@ -74,6 +84,18 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
             include_dashboard=True,
         )
     return True
+
+
+def count_nodes(address: str) -> int:
+    """Alive nodes of the cluster at `address`, asked as a short-lived driver (nothing is shipped)."""
+    import ray
+
+    _check_reachable(address)
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        return sum(1 for n in ray.nodes() if n.get("Alive"))
+    finally:
+        ray.shutdown()
 
 
 def _check_reachable(address: str, timeout_s: float = 10) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import UserError
+from pipeline.tracking import redact, redacted_keys
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 SHIPPED = ("pipeline", "stages", "configs", "pyproject.toml")  # what a job needs of the project
@@ -82,7 +83,11 @@ def stage_package(cfg, config_name: str, dest: Path) -> Path:
             shutil.copytree(src, dest / name, ignore=ignore)
         elif src.exists():
             shutil.copy2(src, dest / name)
-    (dest / config_name).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+    # The package is stored on the cluster (its GCS, every node's working_dir) and shown by its
+    # dashboard: URI passwords stay on this machine; the job's nodes authenticate from their own
+    # environment (MLFLOW_TRACKING_USERNAME/PASSWORD, AWS_* for the bucket), as `submit` warns.
+    (dest / config_name).write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json"), mask=None), sort_keys=False),
+                                    encoding="utf-8")
     return dest
 
 
@@ -91,6 +96,11 @@ def submit(cfg, config_path: Path, address: str | None, selection: dict, console
     from pipeline.runner import git_version
 
     jobs = client(address)
+    stripped = redacted_keys(cfg.model_dump(mode="json"))
+    if stripped:
+        console.print(f"[yellow]the job's config carries {', '.join(stripped)} without its password (the package is "
+                      "stored on the cluster); the cluster's nodes must supply it themselves, e.g. "
+                      "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for a tracking server[/]")
     name = f"{config_path.stem}.yaml"
     job_id = f"pipeline-{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
     with tempfile.TemporaryDirectory(prefix="pipeline-job-") as tmp:

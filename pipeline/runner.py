@@ -376,7 +376,8 @@ class RunContext:
     def ray(self) -> None:
         from pipeline.cluster import ensure_ray
 
-        self.started_ray = ensure_ray(self.pipeline.ray, self.storage, self.progress) or self.started_ray
+        self.started_ray = ensure_ray(self.pipeline.ray, self.storage, self.progress,
+                                       self.pipeline.tracking_uri) or self.started_ray
         # Ray's core worker installs a C-level SIGTERM handler that aborts the process; put ours
         # back so `kill` still ends the stage cleanly (no manifest, MLflow run marked KILLED).
         signal.signal(signal.SIGTERM, _sigterm_as_interrupt)

@@ -25,15 +25,48 @@ BATCH = 100  # MLflow's limit on params per log_batch call
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<secret>[^@/\s]+)@")
 
 
-def redact(value: Any) -> Any:
-    """`value` (a string, or dicts/lists of them) with the passwords of any URIs in it masked."""
+def redact(value: Any, mask: str | None = "***") -> Any:
+    """`value` (a string, or dicts/lists of them) with the passwords of any URIs in it masked.
+
+    `mask=None` drops the password instead (`https://user@host`): what a shipped config carries, so
+    the reader authenticates from its own environment (MLFLOW_TRACKING_PASSWORD, ...) rather than
+    sending the mask as a password."""
     if isinstance(value, str):
-        return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", value)
+        return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}{'' if mask is None else ':' + mask}@", value)
     if isinstance(value, dict):
-        return {k: redact(v) for k, v in value.items()}
+        return {k: redact(v, mask) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [redact(v) for v in value]
+        return [redact(v, mask) for v in value]
     return value
+
+
+def redacted_keys(value: Any, prefix: str = "") -> list[str]:
+    """Dotted keys of `value` (a config dump) whose strings carry a URI password."""
+    if isinstance(value, dict):
+        return [k for key, v in value.items() for k in redacted_keys(v, f"{prefix}{key}.")]
+    if isinstance(value, (list, tuple)):
+        return [k for i, v in enumerate(value) for k in redacted_keys(v, f"{prefix}{i}.")]
+    return [prefix.rstrip(".")] if isinstance(value, str) and _USERINFO.search(value) else []
+
+
+def is_local_store(tracking_uri: str) -> bool:
+    """A store that lives in files of the machine that opens it (SQLite, a file store, a bare path)."""
+    scheme = tracking_uri.partition("://")[0].lower() if "://" in tracking_uri else ""
+    return scheme in ("", "file") or scheme.startswith("sqlite")
+
+
+def cluster_store_problem(tracking_uri: str, nodes: int) -> str | None:
+    """Why `tracking_uri` cannot serve a run on `nodes` Ray nodes, or None.
+
+    Training workers and tune trials log to the store from whatever node they run on: a SQLite
+    file (or file store) is a different file on each node, or one file shared over a network
+    filesystem, where SQLite's locking is not safe. A tracking server is one store for all."""
+    if nodes <= 1 or not is_local_store(tracking_uri):
+        return None
+    return (f"mlflow.tracking_uri: the Ray cluster has {nodes} nodes and the tracking store is a local file "
+            f"({redact(tracking_uri)}), which workers on other nodes cannot share; run a tracking server "
+            "(`mlflow server --host 0.0.0.0 --port 5000 --backend-store-uri sqlite:///mlflow.db`) and set "
+            "mlflow.tracking_uri: http://HOST:5000")
 
 
 def log_params(client, run_id: str, params: dict[str, Any]) -> None:

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from conftest import ROOT, SMOKE
-from helpers.cluster import TwoNodeCluster, end_tree, wait_for
+from helpers.cluster import TwoNodeCluster, end_tree, free_port, wait_for
+from helpers.mlflow_server import mlflow_server
 from helpers.s3 import CREDENTIALS, S3Server
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,13 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
+def tracking(tmp_path_factory):
+    """The override every run on the cluster needs: a tracking server, as workers on both nodes log."""
+    with mlflow_server(tmp_path_factory.mktemp("tracking"), free_port()) as url:
+        yield f"mlflow.tracking_uri={url}"
+
+
+@pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cluster") / "run"
 
@@ -38,6 +46,14 @@ def run_dir(tmp_path_factory):
 def _cli(cluster, *args, timeout=900):
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=cluster.env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def test_validate_refuses_a_local_tracking_file_for_a_multi_node_cluster(cluster, tracking):
+    local = _cli(cluster, "validate", str(SMOKE), f"ray.address={cluster.gcs}", timeout=120)
+    assert local.returncode == 2 and "the Ray cluster has 2 nodes" in local.stderr, local.stderr[-2000:]
+    assert "set mlflow.tracking_uri: http://HOST:5000" in local.stderr
+    served = _cli(cluster, "validate", str(SMOKE), f"ray.address={cluster.gcs}", tracking, timeout=120)
+    assert served.returncode == 0, served.stderr[-2000:]
 
 
 def _registered(run_dir, skip=()) -> list:
@@ -57,11 +73,11 @@ def _resumed_at(log: str) -> list[int]:
     return [int(s) for s in re.findall(r"resuming at step (\d+)", log)]
 
 
-def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(cluster, run_dir):
+def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(cluster, run_dir, tracking):
     nodes = cluster.nodes()
     assert len(nodes) == 2 and sum(n["head"] for n in nodes) == 1
 
-    submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={run_dir}", *SFT)
+    submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={run_dir}", tracking, *SFT)
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     job_id = submitted.stdout.strip().splitlines()[-1]
     assert job_id.startswith("pipeline-smoke-")
@@ -98,12 +114,12 @@ def _registered_in(store, skip=()) -> list:
     return found
 
 
-def test_a_killed_driver_resumes_from_the_object_store_with_finished_stages_cached(cluster, run_dir):
+def test_a_killed_driver_resumes_from_the_object_store_with_finished_stages_cached(cluster, run_dir, tracking):
     """The driver joins the cluster with `storage.uri` on a local S3 server: every node must reach the
     bucket, SFT checkpoints go there, and after the driver is killed the rerun resumes from them."""
     with S3Server() as s3:
         store = s3.store("cluster")
-        args = ["run", str(SMOKE), f"run_dir={run_dir}", *SFT, "stages.sft.lr=0.002",  # a new SFT key, same upstream
+        args = ["run", str(SMOKE), f"run_dir={run_dir}", tracking, *SFT, "stages.sft.lr=0.002",  # a new SFT key, same upstream
                 f"storage.uri={store.uri}", f"storage.endpoint_url={s3.endpoint}"]
         env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}  # this machine's driver joins the cluster
         before = set(_registered(run_dir))
@@ -132,16 +148,16 @@ def test_a_killed_driver_resumes_from_the_object_store_with_finished_stages_cach
             assert any(n.endswith("/manifest.json") for n in store.files(f"artifacts/{name}")), name
 
 
-def test_job_control_stop_and_exit_codes(cluster, tmp_path):
+def test_job_control_stop_and_exit_codes(cluster, tmp_path, tracking):
     # A job that fails on the cluster: --wait exits with the driver's own code (2, a user error).
     failing = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, "--wait",
-                   f"run_dir={tmp_path / 'empty'}", "--only", "sft")
+                   f"run_dir={tmp_path / 'empty'}", tracking, "--only", "sft")
     assert failing.returncode == 2, failing.stderr[-2000:]
     assert "needs the output of stage" in failing.stdout
 
     # A running job stopped from the CLI ends STOPPED, and --wait on such a job would exit 130.
     submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={tmp_path / 'run'}",
-                     "--to", "data")
+                     tracking, "--to", "data")
     job_id = submitted.stdout.strip().splitlines()[-1]
     wait_for(lambda: "RUNNING" in _cli(cluster, "status", job_id, "--address", cluster.dashboard).stdout, 120,
              "the job to run")

@@ -226,6 +226,31 @@ def test_job_package_carries_code_and_the_resolved_config(tmp_path):
         "python", "-m", "pipeline", "run", "smoke.yaml", "--only", "sft", "--force", "sft"]
 
 
+def test_job_package_leaves_uri_passwords_on_the_submitting_machine(tmp_path):
+    from conftest import smoke_config
+    from pipeline.config import load_config
+    from pipeline.jobs import stage_package
+    from pipeline.tracking import redacted_keys
+
+    cfg = smoke_config(tmp_path / "run", "mlflow.tracking_uri=https://alice:s3cret@mlflow.internal:5000")
+    assert redacted_keys(cfg.model_dump(mode="json")) == ["mlflow.tracking_uri"]
+    package = stage_package(cfg, "smoke.yaml", tmp_path / "pkg")
+    text = (package / "smoke.yaml").read_text()
+    assert "s3cret" not in text
+    # The user stays; the password comes from the node's MLFLOW_TRACKING_PASSWORD, not a "***" mask.
+    assert load_config(package / "smoke.yaml").mlflow.tracking_uri == "https://alice@mlflow.internal:5000"
+
+
+def test_a_local_tracking_file_is_refused_on_a_multi_node_cluster_only():
+    from pipeline.tracking import cluster_store_problem
+
+    for local in ("sqlite:////runs/x/mlflow.db", "file:///runs/mlruns", "/runs/mlruns"):
+        assert cluster_store_problem(local, 1) is None
+        problem = cluster_store_problem(local, 3)
+        assert "3 nodes" in problem and "mlflow.tracking_uri: http://HOST:5000" in problem
+    assert cluster_store_problem("http://alice:pw@mlflow:5000", 3) is None
+
+
 def test_status_of_an_unreachable_cluster_is_a_clear_error():
     result = run_cli("status", "pipeline-x", "--address", "http://127.0.0.1:9")
     assert result.returncode == 2

@@ -72,6 +72,10 @@ def test_vllm_greedy_equals_hf_greedy(tiny_model):
     assert len({t for seq in result["vllm"] for t in seq}) > 3  # not a degenerate repeat
 
 
-def test_deepspeed_zero2_trains_on_cpu(tiny_model):
-    losses = _script("ds_step.py", str(tiny_model), "2")["losses"]
+def test_deepspeed_zero2_trains_on_cpu_and_resumes_only_from_safe_checkpoints(tiny_model, tmp_path):
+    result = _script("ds_step.py", str(tiny_model), "2", str(tmp_path / "ckpt"))
+    losses = result["losses"]
     assert losses[-1] < 0.8 * losses[0]
+    assert result["resumed_loss"] < 0.8 * losses[0]  # the reloaded weights are the trained ones
+    # DeepSpeed's own loader would unpickle anything (weights_only=False): ours refuses the planted object.
+    assert "does not allow" in result["refused"] and not result["planted_code_ran"]

@@ -124,6 +124,43 @@ def isolate_jit_builds() -> None:
         os.environ["PATH"] = os.pathsep.join([bin_dir, *[p for p in path if p != bin_dir]])
 
 
+# The non-tensor objects DeepSpeed 0.19 pickles into its checkpoints (ZeRO 0-3, fp32 and bf16),
+# found by loading each kind with `weights_only=True` and reading torch's "Unsupported global".
+CHECKPOINT_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum",
+                      "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def load_weights_only(path: str, map_location=None):
+    """`torch.load` of one DeepSpeed checkpoint file with `weights_only=True`: tensors, containers and
+    the few DeepSpeed classes above, never arbitrary code (a pickle can run any on load)."""
+    import importlib
+    import pickle
+
+    import torch
+
+    allowed = [getattr(importlib.import_module(m), a) for m, _, a in (g.rpartition(".") for g in CHECKPOINT_GLOBALS)]
+    with torch.serialization.safe_globals(allowed):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise RuntimeError(f"{path}: this checkpoint holds a Python object that loading it safely "
+                               f"(weights_only) does not allow ({str(exc).splitlines()[-3:]}); a checkpoint this "
+                               "pipeline wrote never does, so it was written by something else: delete it "
+                               "(or rerun the stage with --force) to train from scratch") from None
+
+
+def safe_checkpoint_loads(engine) -> None:
+    """Make `engine.load_checkpoint` read with `load_weights_only`.
+
+    Why not DeepSpeed's own: its `TorchCheckpointEngine.load` calls `torch.load(weights_only=False)`
+    unconditionally, so a tampered checkpoint in run_dir or the bucket would run code in every
+    rank. Its other engines (fast/decoupled/nebula, chosen in the DeepSpeed config) are left alone."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
+        engine.checkpoint_engine.load = load_weights_only
+
+
 def device_env(gpu: bool) -> dict[str, str]:
     """Environment for training workers: DeepSpeed's accelerator must be chosen before import."""
     return {} if gpu else {"DS_ACCELERATOR": "cpu"}

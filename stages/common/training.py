@@ -266,7 +266,10 @@ def init_engine(model, ds_config: dict):
     isolate_jit_builds()
     import deepspeed
 
+    from stages.common.deepspeed import safe_checkpoint_loads
+
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    safe_checkpoint_loads(engine)
     return engine
 
 

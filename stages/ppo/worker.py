@@ -54,7 +54,7 @@ class PPOWorker(Workhorse):
     def setup(self, spec: dict) -> int:
         """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed, and
         storage (the run's `RunStorage`: where to pull the model from and push checkpoints to)."""
-        from stages.common.deepspeed import isolate_jit_builds
+        from stages.common.deepspeed import isolate_jit_builds, safe_checkpoint_loads
 
         isolate_jit_builds()
         import deepspeed
@@ -87,6 +87,7 @@ class PPOWorker(Workhorse):
             model.requires_grad_(False)
             self.engine, *_ = deepspeed.initialize(model=model, config=spec["ds_config"])
             self.engine.eval()
+        safe_checkpoint_loads(self.engine)
         return count_parameters(model)
 
     # --------------------------------------------------------------- rollouts
