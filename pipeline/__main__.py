@@ -222,8 +222,11 @@ def _main(args, console, err, state: dict) -> tuple[int, str | None]:
         err.print(f"[bold red]error:[/] {escape(str(exc))}")
         return EXIT_USER, str(exc)
     except KeyboardInterrupt:
-        err.print("[bold red]interrupted[/]: the running stage wrote no manifest and will rerun (resuming from its "
-                  "last checkpoint, if it has one) next time")
+        if state["summary"].get("running"):
+            err.print("[bold red]interrupted[/]: the running stage wrote no manifest and will rerun (resuming from "
+                      "its last checkpoint, if it has one) next time")
+        else:
+            err.print(f"[bold red]interrupted[/]: {args.command} stopped")
         return EXIT_INTERRUPTED, "interrupted"
     except Exception as exc:  # a stage (or the code) failed: show where, exit 1
         import traceback

@@ -84,7 +84,7 @@ class LimitsConfig(Section):
     """Sampling limits per request, checked before a request reaches an engine (400 above them)."""
 
     max_tokens: int = Field(1024, ge=1, description="Largest max_tokens / max_completion_tokens a request may "
-                            "ask for; also what a request that names none gets.")
+                            "ask for; also what a chat request naming none gets (capped by what the context leaves).")
     max_n: int = Field(8, ge=1, description="Largest `n` / `best_of` (completions per request) a request may ask for.")
     max_logprobs: int = Field(5, ge=0, description="Largest `top_logprobs` (chat) / `logprobs` (completions).")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body; larger ones get 413.")
@@ -143,35 +143,38 @@ INT_FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "top_logprobs": "max_logprobs", "logprobs": "max_logprobs"}
 
 
-def check_body(body: bytes, limits: LimitsConfig | None = None) -> tuple[str | None, bytes]:
-    """(why a POST body is refused or None, the body to forward).
+def check_body(body: bytes, limits: LimitsConfig | None = None) -> str | None:
+    """Why a POST body is refused, or None.
 
     The body must be a JSON object whose integer fields are JSON integers (not "64", not 1e4: a
-    string or float would pass a numeric check and reach the engine) within `limits`; a request
-    naming no max_tokens gets the limit as its max_tokens, so no request runs to the context length
-    by default. Chat's boolean `logprobs` is left to the ingress."""
+    string or float would pass a numeric check and reach the engine) within `limits`. A request
+    naming no max_tokens is left as it is: the engine gives it `limits.max_tokens`, capped by what
+    the context leaves (`llm_config`). Chat's boolean `logprobs` is left to the ingress."""
     limits = limits or LimitsConfig()
     try:
         data = json.loads(body or b"")
     except (ValueError, UnicodeDecodeError) as exc:
-        return f"request body is not valid JSON ({exc})", body
+        return f"request body is not valid JSON ({exc})"
     if not isinstance(data, dict):
-        return "request body must be a JSON object", body
+        return "request body must be a JSON object"
     for field, limit_name in INT_FIELDS.items():
         value = data.get(field)
         if value is None or (field == "logprobs" and isinstance(value, bool)):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            return f"{field} must be an integer, not {json.dumps(value)}", body
+            return f"{field} must be an integer, not {json.dumps(value)}"
         limit = getattr(limits, limit_name)
         if value > limit:
             what = {"max_tokens": "tokens per completion", "max_n": "completions per request",
                     "max_logprobs": "log-probabilities per token"}[limit_name]
-            return f"{field} {value} exceeds this server's limit of {limit} {what}", body
-    if data.get("max_tokens") is None and data.get("max_completion_tokens") is None:
-        data["max_tokens"] = limits.max_tokens
-        body = json.dumps(data).encode()
-    return None, body
+            return f"{field} {value} exceeds this server's limit of {limit} {what}"
+    return None
+
+
+def engine_dead(status: int, body: bytes) -> bool:
+    """Whether the ingress's answer is a 500 for a dead vLLM engine (its error names EngineDeadError
+    or EngineGenerateError, vLLM's fatal errors, as Ray's ingress passes them on)."""
+    return status == 500 and (b"EngineDeadError" in body or b"EngineGenerateError" in body)
 
 
 def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
@@ -182,13 +185,22 @@ def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
 # --------------------------------------------------------------------------- the app
 
 
+RETRY_AFTER_S = 5  # what a client told 503 should wait: a retry then queues for the replacement replica
+# Serve checks each replica's engine this often; a replica fails after 3 failed checks in a row
+# (Serve's fixed threshold), so a dead engine is replaced within ~3 s rather than ~30 s by default.
+HEALTH_CHECK_PERIOD_S = 1.0
+
+
 class RequestGuard:
-    """ASGI middleware in front of the OpenAI ingress: the API key, bodies that are not JSON, sampling limits.
+    """ASGI middleware in front of the OpenAI ingress: the API key, bodies that are not JSON, sampling
+    limits, and a dead engine's answers.
 
     Ray Serve LLM has no API-key option and no per-request limits, and answers a non-JSON body sent
     without a JSON content type with a 500 (its validation-error handler fails to serialize the
     bytes). This checks all three before the request reaches the ingress, and answers in OpenAI's
-    error shape.
+    error shape. Between a vLLM engine's death and Serve replacing its replica, the ingress
+    answers 500 with the engine's traceback; this answers 503 with Retry-After instead (the
+    request may be retried: the replacement is starting).
     """
 
     def __init__(self, app, api_key: str | None, limits: LimitsConfig | None = None):
@@ -198,6 +210,8 @@ class RequestGuard:
     async def _reply(self, send, status: int, message: str, kind: str) -> None:
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
         headers = [(b"content-type", b"application/json")] + ([(b"www-authenticate", b"Bearer")] if status == 401 else [])
+        if status == 503:
+            headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -222,7 +236,8 @@ class RequestGuard:
                 return await self._reply(send, 413, f"request body larger than this server's limit of "
                                          f"{self.limits.max_body_bytes} bytes", "invalid_request_error")
             more = message.get("more_body", False)
-        problem, body = check_body(b"".join(chunks), self.limits)
+        body = b"".join(chunks)
+        problem = check_body(body, self.limits)
         if problem:
             return await self._reply(send, 400, problem, "invalid_request_error")
         sent = False
@@ -234,7 +249,26 @@ class RequestGuard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        return await self.app(scope, replay, send)
+        held: dict | None = None  # a 500's start, kept until its body says whether the engine died
+        parts: list[bytes] = []
+
+        async def send_checked(message):
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] == 500:
+                held = message
+                return
+            if held is None or message["type"] != "http.response.body":
+                return await send(message)
+            parts.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            if engine_dead(500, b"".join(parts)):
+                return await self._reply(send, 503, "the model's engine stopped and is being restarted; retry "
+                                         f"in {RETRY_AFTER_S} s", "service_unavailable")
+            await send(held)
+            await send({"type": "http.response.body", "body": b"".join(parts)})
+
+        return await self.app(scope, replay, send_checked)
 
 
 def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
@@ -244,13 +278,18 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
     from stages.common.serving import engine_env, engine_kwargs
 
     kwargs = engine_kwargs(cfg.engine, model_dir, gpu, seed)
+    # A request naming no max_tokens gets the limit (vLLM's generation default, which it caps by
+    # what the context leaves), not the whole context; set last, so `extra` cannot lift it.
+    kwargs["override_generation_config"] = {**kwargs.get("override_generation_config", {}),
+                                            "max_new_tokens": cfg.limits.max_tokens}
     return LLMConfig(
         model_loading_config={"model_id": cfg.served_name(), "model_source": str(model_dir)},
         # Without it the config assumes a GPU and its placement group never schedules on a CPU machine.
         accelerator_config={"kind": "cuda" if gpu else "cpu"},
         engine_kwargs=kwargs,
         runtime_env={"env_vars": engine_env(cfg.engine, gpu)},
-        deployment_config={"num_replicas": cfg.replicas, "ray_actor_options": {"num_cpus": 1}},
+        deployment_config={"num_replicas": cfg.replicas, "ray_actor_options": {"num_cpus": 1},
+                           "health_check_period_s": HEALTH_CHECK_PERIOD_S},
         log_engine_metrics=False,
     )
 
@@ -408,6 +447,8 @@ def wait_for_interrupt(log, url: str) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, _interrupt)
+    # Also when started in the background, where the shell has Python ignore SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     log(f"serving {url}/v1 until Ctrl-C")
     try:
         while True:

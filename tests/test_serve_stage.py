@@ -116,6 +116,12 @@ def test_openai_client_chat_completion_and_streaming(server):
         stream=True) if c.choices]
     assert "".join(streamed_chat) == chat.choices[0].message.content
 
+    # A chat request naming no max_tokens: the server's limit (32 here), not the rest of the context
+    # (128 - prompt). (The legacy completions API has its own default of 16, from OpenAI's spec.)
+    unnamed = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                             temperature=0.0, extra_body={"ignore_eos": True})
+    assert unnamed.usage.completion_tokens == 32 and unnamed.choices[0].finish_reason == "length"
+
 
 def test_sixteen_concurrent_requests_all_succeed(server):
     url, model = server
@@ -179,6 +185,35 @@ def test_binds_to_loopback_only(server):
         with socket.socket() as s:
             s.settimeout(5)
             assert s.connect_ex((ip, PORT)) != 0, ip  # ... but not on this machine's other addresses
+
+
+def test_a_killed_engine_answers_503_then_its_replica_is_replaced(server):
+    """vLLM's worker process dies (killed here; OOM or a crash elsewhere): requests meanwhile get 503 with
+    Retry-After, never a 500, and Serve's health check replaces the replica, which then answers."""
+    import time
+
+    import httpx
+    import psutil
+    from ray.util.state import list_actors
+
+    url, model = server
+    replica = next(a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "LLMServer" in a.class_name)
+    workers = [p for p in psutil.Process(replica.pid).children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert workers, [p.name() for p in psutil.Process(replica.pid).children(recursive=True)]
+    for worker in workers:  # the engine's own process, under the replica our fixture deployed
+        worker.kill()
+    seen, deadline = [], time.time() + 300
+    with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        while time.time() < deadline:
+            r = http.post("/v1/completions", json={"model": model, "prompt": "Calculate 1 + 1.", "max_tokens": 4})
+            seen.append((r.status_code, r.headers.get("retry-after")))
+            if r.status_code == 200:
+                break
+            time.sleep(0.5)
+    statuses = [status for status, _ in seen]
+    assert statuses[-1] == 200 and 503 in statuses, seen
+    assert set(statuses) == {503, 200} and all(after for status, after in seen if status == 503), seen
+    print(f"after the kill: {len(seen) - 1} answers 503, then 200")
 
 
 def test_batch_infer_writes_one_row_per_prompt(registered, tracking_uri, tmp_path):

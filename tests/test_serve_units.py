@@ -15,7 +15,7 @@ from pipeline.errors import ConfigError, UserError
 from pipeline.runner import build_plan
 from stages.batch_infer import BatchInferConfig, check_not_all_failed, request, result, summarize
 from stages.common import model_registry
-from stages.serve import LimitsConfig, RequestGuard, check_body, key_tags, percentile
+from stages.serve import RETRY_AFTER_S, LimitsConfig, RequestGuard, check_body, key_tags, percentile
 
 
 def _model(path, weights: bytes):
@@ -75,14 +75,17 @@ def test_registry_versions_only_changed_models_and_moves_the_alias(tmp_path):
         model_registry.fetch(str(tmp_path), uri, tmp_path / "cache")
 
 
-def _call(app, method: str, body: bytes = b"", headers=()):
-    """Send one request through an ASGI app; returns (status, body bytes, body the inner app saw)."""
+def _call(app, method: str, body: bytes = b"", headers=(), answer=(200, [b"ok"])):
+    """Send one request through an ASGI app whose inner app answers `answer` (status, body chunks);
+    returns (status, body bytes, body the inner app saw); the response headers are left in `_call.headers`."""
     seen, sent = {}, []
 
     async def inner(scope, receive, send):
         seen["body"] = (await receive())["body"]
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+        status, chunks = answer
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        for i, chunk in enumerate(chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
@@ -92,7 +95,8 @@ def _call(app, method: str, body: bytes = b"", headers=()):
 
     scope = {"type": "http", "method": method, "path": "/v1/completions", "headers": list(headers)}
     asyncio.run(app(inner)(scope, receive, send))
-    return sent[0]["status"], sent[1]["body"], seen.get("body")
+    _call.headers = dict(sent[0]["headers"])
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), seen.get("body")
 
 
 def test_request_guard_checks_the_key_and_the_body():
@@ -105,8 +109,9 @@ def test_request_guard_checks_the_key_and_the_body():
     assert status == 401
     status, body, seen = _call(guard("s3cret"), "POST", b'{"a": 1, "max_tokens": 5}', [(b"authorization", b"Bearer s3cret")])
     assert (status, body, seen) == (200, b"ok", b'{"a": 1, "max_tokens": 5}')  # the body reaches the ingress unchanged
-    # a request naming no max_tokens gets the limit (1024 by default), never the whole context
-    assert json.loads(_call(guard(None), "POST", b'{"a": 1}')[2]) == {"a": 1, "max_tokens": 1024}
+    # A request naming no max_tokens reaches the engine as it is: vLLM gives it the limit, capped by what
+    # the context leaves (a limit above the context must not turn every such request into a 400).
+    assert _call(guard(None), "POST", b'{"a": 1}')[2] == b'{"a": 1}'
     status, body, seen = _call(guard(None), "POST", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"] and seen is None
     assert _call(guard(None), "POST", b"[1, 2]")[0] == 400
@@ -135,12 +140,38 @@ def test_request_guard_enforces_the_sampling_limits():
     assert status == 413 and seen is None
 
 
+def test_a_dead_engine_is_answered_503_with_retry_after_and_other_errors_pass_through():
+    def guard(inner):
+        return RequestGuard(inner, None)
+
+    dead = b'{"error": {"message": "original exception: ray::ServeReplica... RayTaskError(EngineDeadError): Engine'
+    status, body, _ = _call(guard, "POST", b"{}", answer=(500, [dead, b'Core encountered an issue"}}']))
+    assert status == 503 and _call.headers[b"retry-after"] == str(RETRY_AFTER_S).encode()
+    assert json.loads(body)["error"]["type"] == "service_unavailable" and b"ServeReplica" not in body
+    other = b'{"error": {"message": "Internal Server Error: ZeroDivisionError"}}'
+    assert _call(guard, "POST", b"{}", answer=(500, [other]))[:2] == (500, other)  # not ours to relabel
+    assert _call(guard, "POST", b"{}", answer=(200, [b"part1 ", b"EngineDeadError in a completion"]))[:2] == \
+        (200, b"part1 EngineDeadError in a completion")  # a 200 is never touched, whatever its text
+
+
+def test_requests_without_max_tokens_get_the_limit_from_the_engine(tmp_path):
+    from stages.serve import HEALTH_CHECK_PERIOD_S, ServeConfig, llm_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    cfg = ServeConfig.model_validate({"limits": {"max_tokens": 1000}, "engine": {
+        "extra": {"override_generation_config": {"max_new_tokens": 10**6, "temperature": 0.5}}}})
+    llm = llm_config(cfg, tmp_path, gpu=False)
+    # vLLM's generation default (capped by the context a prompt leaves), which `extra` cannot lift
+    assert llm.engine_kwargs["override_generation_config"] == {"max_new_tokens": 1000, "temperature": 0.5}
+    assert llm.deployment_config["health_check_period_s"] == HEALTH_CHECK_PERIOD_S
+
+
 def test_pure_helpers():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 95) == 5.0
     assert abs(percentile(list(map(float, range(1, 101))), 95) - 95.05) < 1e-9
-    assert check_body(b'{"model": "x", "max_tokens": 4}') == (None, b'{"model": "x", "max_tokens": 4}')
-    assert "not valid JSON" in check_body(b"")[0]
+    assert check_body(b'{"model": "x", "max_tokens": 4}') is None
+    assert "not valid JSON" in check_body(b"")
     assert key_tags({"eval_accuracy": 0.25, "kl": 1.0, "eval_reward": "x"}, ["eval_accuracy", "eval_reward", "acc"]) == \
         {"metric.eval_accuracy": "0.25"}
 
