@@ -22,12 +22,14 @@ Exit codes (for schedulers; `run --json` also prints a machine-readable summary 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pipeline import outcomes
 from pipeline.errors import UserError
 
 
@@ -87,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                             help="how long to wait for the job to end (default 60); exit 1 if it has not")
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
+    ui.add_argument("--workers", type=int, default=1, help="server worker processes (default 1: one person browsing)")
     sv = common("serve", "serve a registered model behind the OpenAI-compatible API until Ctrl-C "
                 "(engine and endpoint from stages.serve)", optional=True)
     sv.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a local model directory "
@@ -116,6 +119,33 @@ def _default_model(cfg) -> str:
     from stages.common.model_registry import model_uri
 
     return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
+
+
+def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a server command until it ends, or until Ctrl-C / SIGTERM stops it and every process it
+    started (its own process group: `mlflow ui` runs its web server and workers as children, which
+    outlived a SIGINT sent to this process alone)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _serve(cfg, args, console) -> int:
@@ -161,16 +191,61 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
         else:
             status = "failed" if summary.get("running") == name else "not_run"
         out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key) if p.key else None
+        metrics = (manifest or {}).get("metrics", {})
         stages.append({
             "name": name, "status": status, "reason": p.reason, "cache_key": p.key,
             "duration_s": summary.get("durations", {}).get(name),
             "artifact": str(out_dir) if manifest is not None or (status == "skip" and p.finished) else None,
             "outputs": {k: str(v) for k, v in artifacts.output_paths(manifest, out_dir).items()} if manifest else {},
             "mlflow_run_id": summary.get("run_ids", {}).get(name),
+            "outcomes": outcomes.headline(p.spec.outcomes, metrics), "outcome": outcomes.describe(p.spec.outcomes, metrics),
         })
     return {"status": _OUTCOME.get(exit_code, "failed"), "exit_code": exit_code, "error": error,
             "run_dir": str(cfg.run_dir) if cfg else None, "tracking_uri": cfg.tracking_uri if cfg else None,
-            "mlflow_parent_run_id": summary.get("parent_run_id"), "stages": stages}
+            "mlflow_parent_run_id": summary.get("parent_run_id"), "registered_model": registered_model(cfg, summary),
+            "stages": stages}
+
+
+def registered_model(cfg, summary: dict) -> str | None:
+    """The registry URI the serve stage moved its alias to in this run (None without one)."""
+    from pipeline import artifacts
+
+    manifest, plan = summary.get("stages", {}).get("serve"), {p.spec.name: p for p in summary.get("plan", [])}
+    if manifest is None or cfg is None:
+        return None
+    path = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "serve", plan["serve"].key))
+    try:
+        return json.loads(Path(path["served_model"]).read_text())["uri"]
+    except (KeyError, OSError, ValueError):
+        return None
+
+
+def print_outcomes(cfg, config_path, summary: dict, console) -> None:
+    """The end-of-run table: each stage, hit or miss, its time and what it achieved; then where to look."""
+    from rich.table import Table
+
+    rows = []
+    for p in summary.get("plan", []):
+        manifest = summary.get("stages", {}).get(p.spec.name)
+        if manifest is not None:
+            seconds = summary.get("durations", {}).get(p.spec.name)
+            rows.append((p.spec.name, p.status, f"{seconds:.0f}s" if seconds is not None else "",
+                         outcomes.describe(p.spec.outcomes, manifest.get("metrics", {}))))
+    if console.is_terminal:
+        table = Table(title="run summary", title_justify="left", show_edge=False, pad_edge=False)
+        for column in ("stage", "cache", "time", "outcome"):
+            table.add_column(column, justify="right" if column == "time" else "left", overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    else:  # a log file or a pipe: one unwrapped line per stage, as grep and cron mail want them
+        console.print("run summary", soft_wrap=True)
+        for name, status, seconds, outcome in rows:
+            console.print(f"  {name:<12} {status:<5} {seconds:>6}  {outcome}", soft_wrap=True, markup=False)
+    model = registered_model(cfg, summary)
+    if model:
+        console.print(f"registered model: {model}")
+    console.print(f"compare runs: python -m pipeline ui {config_path}")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -297,12 +372,10 @@ def _command(args, console, state: dict) -> int:
             console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
             return 0
         cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
-               "--host", "127.0.0.1", "--port", str(args.port)]
+               "--host", "127.0.0.1", "--port", str(args.port), "--workers", str(args.workers)]
         console.print(f"MLflow UI for {cfg.tracking_uri} at http://127.0.0.1:{args.port} (Ctrl-C stops it)")
-        try:
-            return subprocess.call(cmd)
-        except KeyboardInterrupt:
-            return 0
+        # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
+        return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ})
     if args.command == "serve":
         return _serve(cfg, args, console)
     if args.command == "batch-infer":
@@ -330,6 +403,7 @@ def _command(args, console, state: dict) -> int:
     summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
     ran = sum(p.status == "miss" for p in summary["plan"])
     cached = sum(p.status == "hit" for p in summary["plan"])
+    print_outcomes(cfg, args.config, summary, console)
     console.print(f"[bold green]done[/]: {ran} stages run, {cached} cached; Ray "
                   f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
     return 0

@@ -22,23 +22,39 @@ class StageSpec:
     outputs: tuple[str, ...]  # artifacts it produces
     about: str
     code: tuple[str, ...] = ()  # further modules whose source is part of this stage's code (tune runs its target)
+    # What the run summary, `--json` and the parent MLflow run show of it: templates over its
+    # manifest's metrics (`pipeline.outcomes`); one whose metrics are missing is left out.
+    outcomes: tuple[str, ...] = ()
+
+
+PPO_OUTCOME = ("accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
+               "(sign test p={eval_accuracy_sign_test_p:.3g})")
 
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("model", "stages.model", "model", ("seed", "task"), (), ("base_model",),
-              "build the embedded base model + tokenizer, or check a local checkpoint"),
+              "build the embedded base model + tokenizer, or check a local checkpoint",
+              outcomes=("{num_parameters:,.0f} parameters",)),
     StageSpec("data", "stages.data", "stages.data", ("seed", "task"), ("base_model",),
               ("sft_data", "preference_data", "prompt_data"),
-              "Ray Data: validate, dedupe, template, tokenize, mask, split, write Parquet"),
+              "Ray Data: validate, dedupe, template, tokenize, mask, split, write Parquet",
+              outcomes=("{sft_train_rows:.0f} SFT rows", "{preference_train_rows:.0f} preference pairs",
+                        "{prompts_train_rows:.0f} RL prompts")),
     StageSpec("sft", "stages.sft", "stages.sft", ("seed",), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
-              "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens"),
+              "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens",
+              outcomes=("eval loss {eval_loss:.3f}",
+                        "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts")),
     StageSpec("reward", "stages.reward", "stages.reward", ("seed",), ("base_model", "sft_model", "preference_data"),
-              ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs"),
+              ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
+              outcomes=("pairwise accuracy {eval_accuracy:.3f}",)),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
-              ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced"),
+              ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
+              outcomes=(PPO_OUTCOME,)),
     # serve registers in the tracking server's model registry: another registry is another result
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),
-              "MLflow Model Registry + Ray Serve LLM: register the model, serve an OpenAI-compatible API"),
+              "MLflow Model Registry + Ray Serve LLM: register the model, serve an OpenAI-compatible API",
+              outcomes=("version {registered_version:.0f}", "p50 {smoke_latency_p50_s:.2f}s",
+                        "{smoke_tokens_per_s:.0f} tokens/s")),
 )
 
 
@@ -56,13 +72,14 @@ def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
         inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),
                   *(("reward_model",) if batch.score.reward_model else ()))
         stages += (StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed",), inputs,
-                             ("predictions",), "Ray Data LLM: completions for a prompts dataset, scored, as Parquet"),)
+                             ("predictions",), "Ray Data LLM: completions for a prompts dataset, scored, as Parquet",
+                             outcomes=("{rows:.0f} rows", "{rows_failed:.0f} failed")),)
     tune = cfg.stages.tune
     if tune is None:
         return stages
     target = next(s for s in STAGES if s.name == tune.target)
     sweep = StageSpec("tune", "stages.tune", "stages.tune", ("seed", target.config), target.inputs, ("best_config",),
                       f"Ray Tune: sweep {tune.target}'s config, every trial its real training, tracked in MLflow",
-                      code=(target.module,))
+                      code=(target.module,), outcomes=("{trials:.0f} trials",))
     uses = getattr(cfg.stages, tune.target).use_tuned
     return tuple(replace(s, inputs=(*s.inputs, "best_config")) if s is target and uses else s for s in stages) + (sweep,)

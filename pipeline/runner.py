@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import artifacts, storage
+from pipeline import artifacts, outcomes, storage
 from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
 from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
@@ -454,6 +454,23 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: RunContext) -> dict:
     return manifest
 
 
+def _record_lineage(cfg, tracker, run_id: str, p, manifest: dict, by_name: dict, producer: dict, console) -> None:
+    """The stage run's datasets and models in MLflow (`pipeline.lineage`); a failure to record them
+    is reported, not fatal: the stage's result is good either way."""
+    from pipeline import lineage
+
+    inputs = {}
+    for inp in p.spec.inputs:
+        up = by_name[producer[inp]]
+        if up.key:
+            inputs[inp] = (artifacts.artifact_dir(cfg.run_dir, up.spec.name, up.key), up.key)
+    outputs = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, p.spec.name, p.key))
+    try:
+        lineage.record(tracker.client, tracker.experiment_id, run_id, p.spec.name, p.key, inputs, outputs)
+    except Exception as exc:  # noqa: BLE001 - MLflow's client raises many kinds
+        console.print(f"[yellow]{p.spec.name}: could not record its datasets and models in MLflow ({exc})[/]")
+
+
 def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
                  registry: tuple[StageSpec, ...] | None = None, summary: dict | None = None) -> dict[str, Any]:
     """Plan and run under the run-dir lock (so no other run changes the cache between the two).
@@ -481,8 +498,12 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         summary = summary if summary is not None else {}
         summary.update({"plan": plan, "stages": {}, "run_ids": {}, "durations": {}, "started_ray": False})
         version = git_version()
-        tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name=config_path.stem,
-                          tags={"config": str(config_path), "code_version": version, "run_dir": str(cfg.run_dir)})
+        # Named so runs tell apart in MLflow's table; the code version is the run's source (Source column).
+        tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir,
+                          run_name=f"{config_path.stem}-{time.strftime('%m%d-%H%M%S')}",
+                          tags={"config": str(config_path), "code_version": version, "run_dir": str(cfg.run_dir),
+                                "mlflow.source.type": "PROJECT", "mlflow.source.name": f"pipeline run {config_path}",
+                                "mlflow.source.git.commit": version.removesuffix("-dirty")})
         summary["parent_run_id"] = tracker.parent_id
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
         status, run_id, ctx = "FINISHED", None, None
@@ -522,6 +543,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                     manifest = _run_stage(cfg, p, ctx)
                     summary["started_ray"] |= ctx.started_ray
                 tracker.log_dict(run_id, manifest, "manifest.json")
+                _record_lineage(cfg, tracker, run_id, p, manifest, by_name, producer, console)
                 tracker.end(run_id)
                 summary["stages"][name] = manifest
                 summary["run_ids"][name] = run_id
@@ -539,6 +561,9 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
             signal.signal(signal.SIGTERM, previous)
             if run_id:
                 tracker.end(run_id, status)
+            # What the finished stages achieved, on the parent run itself: comparable without expanding it.
+            tracker.log_metrics(tracker.parent_id, outcomes.rollup(
+                {n: (by_name[n].spec.outcomes, m.get("metrics", {})) for n, m in summary["stages"].items()}))
             tracker.end(tracker.parent_id, status)
             if summary["started_ray"] or (ctx is not None and ctx.started_ray):
                 from pipeline.cluster import shutdown_ray

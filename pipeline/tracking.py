@@ -105,6 +105,11 @@ def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
                         "local SQLite store") from None
 
 
+# MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, "Evaluations");
+# a model-training experiment opens on the runs table, where stages and runs compare.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, run_dir: Path, run_name: str, tags: dict[str, str]):
         from mlflow.tracking import MlflowClient
@@ -116,9 +121,12 @@ class Tracker:
             # A local store keeps artifacts beside it; a server decides for itself (mlflow-artifacts:/).
             local = tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri
             location = (run_dir / "mlartifacts").as_uri() if local else None
-            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location,
+                                                               tags={EXPERIMENT_KIND: MODEL_TRAINING})
         else:
             self.experiment_id = exp.experiment_id
+            if EXPERIMENT_KIND not in exp.tags:  # made by an older version: MLflow guessed it was GenAI
+                self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
         self.parent_id = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags).info.run_id
 
     def start_stage(self, stage: str, params: dict[str, Any], tags: dict[str, str]) -> str:

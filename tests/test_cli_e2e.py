@@ -38,6 +38,15 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert "model miss - never run" in first.stdout and "data miss - never run" in first.stdout
     assert "Ray started" in first.stdout
     assert "serve: registered new version 1 of posttrain-policy" in first.stdout
+    # A Train worker's progress reaches the console once (Ray Train's print patch doubled every line).
+    steps = [line for line in first.stdout.splitlines() if "sft: step " in line or "reward: step " in line]
+    assert steps and len(steps) == len(set(steps)), steps
+    # The run ends with what each stage achieved, and where to look next.
+    table = first.stdout[first.stdout.index("run summary"):]
+    assert all(f"{s} " in table for s in ("model", "data", "sft", "reward", "ppo", "serve"))
+    assert "held-out prompts (sign test p=" in table and "pairwise accuracy" in table
+    assert "registered model: models:/posttrain-policy@champion" in table
+    assert f"compare runs: python -m pipeline ui {SMOKE}" in table
 
     # Everything cached: no stage runs and Ray is never contacted (an unreachable RAY_ADDRESS
     # would fail the run if anything tried).
@@ -52,6 +61,8 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert all(s["status"] == "hit" and s["duration_s"] is not None for s in stages.values())
     assert (Path(stages["sft"]["artifact"]) / "manifest.json").is_file()
     assert Path(stages["sft"]["outputs"]["sft_model"]).is_dir()
+    assert summary["registered_model"] == "models:/posttrain-policy@champion"
+    assert "eval_accuracy_sign_test_p" in stages["ppo"]["outcomes"] and "->" in stages["ppo"]["outcome"]
 
     # Lineage: two parent runs, each with a nested run per stage carrying config, tags and metrics.
     client, runs = _runs(run_dir)
@@ -69,6 +80,21 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert "code_version" in data_miss.data.tags
     assert {a.path for a in client.list_artifacts(data_hit.info.run_id)} == {"manifest.json"}
     assert "resolved_config.json" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+    # The parent run carries the headline outcomes itself, so runs compare without expanding them.
+    for parent in parents:
+        ppo_child = children[(parent.info.run_id, "ppo")]
+        assert parent.data.metrics["ppo.eval_accuracy"] == ppo_child.data.metrics["eval_accuracy"]
+        assert parent.data.metrics["reward.eval_accuracy"] == stages["reward"]["outcomes"]["eval_accuracy"]
+    assert parents[0].info.run_name != parents[1].info.run_name
+    # Lineage in MLflow's columns: the SFT run read the data stage's split (digest: its key) and the
+    # PPO policy is a logged model made by the first PPO run, yielded again by the cached one.
+    sft_first = client.get_run(children[(parents[0].info.run_id, "sft")].info.run_id)
+    assert {(d.dataset.name, d.dataset.digest) for d in sft_first.inputs.dataset_inputs} >= {
+        ("sft_data", data_miss.data.tags["cache_key"])}
+    policy = client.search_logged_models([parents[0].info.experiment_id], filter_string="name = 'policy_model'")
+    assert len(policy) == 1 and policy[0].source_run_id == children[(parents[0].info.run_id, "ppo")].info.run_id
+    ppo_cached = client.get_run(children[(parents[1].info.run_id, "ppo")].info.run_id)
+    assert ppo_cached.outputs.model_outputs[0].model_id == policy[0].model_id
 
     # The serve stage registered the PPO policy with its lineage, deployed it and measured a smoke load.
     serve = children[(parents[0].info.run_id, "serve")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from conftest import SMOKE, run_cli
 from helpers.cluster import free_port
 from helpers.mlflow_server import mlflow_server as mlflow_server_at
-from helpers.mlflow_server import serving
+from helpers.mlflow_server import server_process
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,8 @@ def mlflow_server(tmp_path):
         yield url
 
 
-def test_ui_command_serves_the_run_store_on_loopback(tmp_path):
+def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_path):
+    import psutil
     from mlflow.tracking import MlflowClient
 
     from pipeline.config import load_config
@@ -28,11 +30,23 @@ def test_ui_command_serves_the_run_store_on_loopback(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--only", "model").returncode == 0
     port = free_port()
-    with serving([sys.executable, "-m", "pipeline", "ui", str(SMOKE), f"run_dir={run_dir}", "--port", str(port)],
-                 port) as url:
-        runs = MlflowClient(url).search_runs([MlflowClient(url).get_experiment_by_name("posttrain").experiment_id])
-        assert {r.info.run_name for r in runs} == {"smoke", "model"}
+    with server_process([sys.executable, "-m", "pipeline", "ui", str(SMOKE), f"run_dir={run_dir}", "--port",
+                         str(port)], port) as (url, proc):
+        exp = MlflowClient(url).get_experiment_by_name("posttrain")
+        assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # opens on the runs table
+        runs = MlflowClient(url).search_runs([exp.experiment_id])
+        parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+        assert {r.info.run_name for r in runs} == {parent.info.run_name, "model"}
+        assert parent.info.run_name.startswith("smoke-") and parent.data.metrics["model.num_parameters"] > 1000
+        assert parent.data.tags["mlflow.source.name"] == f"pipeline run {SMOKE}"
         assert load_config(SMOKE, [f"run_dir={run_dir}"]).tracking_uri.endswith(str(run_dir / "mlflow.db"))
+        started = psutil.Process(proc.pid).children(recursive=True)
+        # `mlflow ui` and one uvicorn worker: no GenAI job runner, no worker pool for one person
+        assert [p.cmdline()[2] for p in started] == ["mlflow", "uvicorn"], [p.cmdline()[:4] for p in started]
+        proc.send_signal(signal.SIGINT)  # to the command alone, as a terminal's Ctrl-C would not reach its group
+        assert proc.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(started, timeout=30)
+        assert not alive, [p.cmdline() for p in alive]
 
 
 def test_stage_tracked_on_a_tracking_server(tmp_path, mlflow_server):

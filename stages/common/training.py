@@ -121,7 +121,19 @@ class RankZeroLogger:
 
     def print(self, message: str) -> None:
         if self.rank == 0:
-            print(f"{self.prefix}: {message}", flush=True)
+            say(f"{self.prefix}: {message}")
+
+
+def say(line: str) -> None:
+    """One line on the worker's stdout, which Ray forwards to the driver once.
+
+    Not `print`: Ray Train patches it in its workers to log through the root logger as well as
+    print whenever stdout is wrapped (as Ray's workers wrap it), and every step line reached the
+    console twice."""
+    import sys
+
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def pad(seqs: list, value: int, dtype=None):

@@ -17,6 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @contextlib.contextmanager
 def serving(cmd: list[str], port: int, timeout_s: float = 120):
     """Start `cmd`, wait for http://127.0.0.1:PORT/health, yield its URL; stop its whole group after."""
+    with server_process(cmd, port, timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], port: int, timeout_s: float = 120):
+    """As `serving`, yielding (URL, the Popen) so a test can signal the command itself."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -30,13 +37,14 @@ def serving(cmd: list[str], port: int, timeout_s: float = 120):
                 if time.time() > deadline or proc.poll() is not None:
                     raise RuntimeError(f"{cmd[:4]} did not start")
                 time.sleep(0.5)
-        yield url
+        yield url, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: our own process group
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:  # a test may have stopped it already
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: our own process group
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def mlflow_server(store: Path, port: int):
