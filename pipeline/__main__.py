@@ -121,6 +121,21 @@ def _default_model(cfg) -> str:
     return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
 
 
+def ui_url(cfg, port: int) -> str:
+    """Where to open the UI: the run's experiment in MLflow's model-training view.
+
+    MLflow 3.17's UI opens every experiment in its GenAI view (traces, evaluations) unless the
+    address says otherwise; the experiment's own kind tag is not what decides it."""
+    from mlflow.tracking import MlflowClient
+
+    base = f"http://127.0.0.1:{port}"
+    try:
+        exp = MlflowClient(cfg.tracking_uri).get_experiment_by_name(cfg.mlflow.experiment)
+    except Exception:  # noqa: BLE001 - an unreadable store: the server will say why
+        exp = None
+    return f"{base}/#/experiments/{exp.experiment_id}?workflowType=machine_learning" if exp else base
+
+
 def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
     """Run a server command until it ends, or until Ctrl-C / SIGTERM stops it and every process it
     started (its own process group: `mlflow ui` runs its web server and workers as children, which
@@ -373,7 +388,7 @@ def _command(args, console, state: dict) -> int:
             return 0
         cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
                "--host", "127.0.0.1", "--port", str(args.port), "--workers", str(args.workers)]
-        console.print(f"MLflow UI for {cfg.tracking_uri} at http://127.0.0.1:{args.port} (Ctrl-C stops it)")
+        console.print(f"MLflow UI for {cfg.tracking_uri} at {ui_url(cfg, args.port)} (Ctrl-C stops it)")
         # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
         return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ})
     if args.command == "serve":

@@ -40,6 +40,11 @@ def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_pat
         assert parent.info.run_name.startswith("smoke-") and parent.data.metrics["model.num_parameters"] > 1000
         assert parent.data.tags["mlflow.source.name"] == f"pipeline run {SMOKE}"
         assert load_config(SMOKE, [f"run_dir={run_dir}"]).tracking_uri.endswith(str(run_dir / "mlflow.db"))
+        # The address printed opens this experiment's runs table (MLflow 3.17 opens its GenAI view otherwise).
+        from pipeline.__main__ import ui_url
+
+        assert ui_url(load_config(SMOKE, [f"run_dir={run_dir}"]), port) == \
+            f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
         started = psutil.Process(proc.pid).children(recursive=True)
         # `mlflow ui` and one uvicorn worker: no GenAI job runner, no worker pool for one person
         assert [p.cmdline()[2] for p in started] == ["mlflow", "uvicorn"], [p.cmdline()[:4] for p in started]
