@@ -91,7 +91,12 @@ def count_nodes(address: str) -> int:
     import ray
 
     _check_reachable(address)
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError, ValueError) as exc:  # 'auto' with no cluster here, a refused handshake
+        from pipeline.errors import UserError
+
+        raise UserError(f"ray.address {address!r}: {str(exc).splitlines()[0]}") from None
     try:
         return sum(1 for n in ray.nodes() if n.get("Alive"))
     finally:

@@ -251,6 +251,13 @@ def test_a_local_tracking_file_is_refused_on_a_multi_node_cluster_only():
     assert cluster_store_problem("http://alice:pw@mlflow:5000", 3) is None
 
 
+def test_validate_of_a_config_joining_an_absent_cluster_says_what_it_could_not_check(tmp_path):
+    result = run_cli("validate", str(SMOKE), f"run_dir={tmp_path / 'run'}", "ray.address=127.0.0.1:9")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "could not ask the cluster how many nodes it has" in result.stdout
+    assert "needs mlflow.tracking_uri set to a tracking server" in result.stdout
+
+
 def test_status_of_an_unreachable_cluster_is_a_clear_error():
     result = run_cli("status", "pipeline-x", "--address", "http://127.0.0.1:9")
     assert result.returncode == 2
