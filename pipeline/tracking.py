@@ -119,8 +119,7 @@ class Tracker:
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
             # A local store keeps artifacts beside it; a server decides for itself (mlflow-artifacts:/).
-            local = tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri
-            location = (run_dir / "mlartifacts").as_uri() if local else None
+            location = (run_dir / "mlartifacts").as_uri() if is_local_store(tracking_uri) else None
             self.experiment_id = self.client.create_experiment(experiment, artifact_location=location,
                                                                tags={EXPERIMENT_KIND: MODEL_TRAINING})
         else:

@@ -171,10 +171,10 @@ def check_body(body: bytes, limits: LimitsConfig | None = None) -> str | None:
     return None
 
 
-def engine_dead(status: int, body: bytes) -> bool:
-    """Whether the ingress's answer is a 500 for a dead vLLM engine (its error names EngineDeadError
-    or EngineGenerateError, vLLM's fatal errors, as Ray's ingress passes them on)."""
-    return status == 500 and (b"EngineDeadError" in body or b"EngineGenerateError" in body)
+def engine_dead(body: bytes) -> bool:
+    """Whether the ingress's 500 is for a dead vLLM engine (its error names EngineDeadError or
+    EngineGenerateError, vLLM's fatal errors, as Ray's ingress passes them on)."""
+    return b"EngineDeadError" in body or b"EngineGenerateError" in body
 
 
 def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
@@ -262,7 +262,7 @@ class RequestGuard:
             parts.append(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            if engine_dead(500, b"".join(parts)):
+            if engine_dead(b"".join(parts)):
                 return await self._reply(send, 503, "the model's engine stopped and is being restarted; retry "
                                          f"in {RETRY_AFTER_S} s", "service_unavailable")
             await send(held)
