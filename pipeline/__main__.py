@@ -77,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true",
                             help="print a machine-readable summary on stdout (per stage: hit/miss, duration, "
                             "artifact path, MLflow run id); progress goes to stderr")
+            sp.add_argument("--verbose", action="store_true",
+                            help="also show library output (Ray, vLLM, DeepSpeed, MLflow) live; it always goes to "
+                            "<run_dir>/logs/<stage>.log and the stage's MLflow run")
     for name, help_ in (("status", "show a submitted job's status"), ("logs", "print a submitted job's log"),
                         ("stop", "stop a submitted job (its running stage leaves no artifact and resumes next time)")):
         jp = sub.add_parser(name, help=help_, description=help_)
@@ -121,19 +124,36 @@ def _default_model(cfg) -> str:
     return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
 
 
+VIEW_STAGES = ("sft", "reward", "ppo", "serve")  # stages whose headline metrics are runs-table columns
+
+
 def ui_url(cfg, port: int) -> str:
-    """Where to open the UI: the run's experiment in MLflow's model-training view.
+    """Where to open the UI: the run's experiment in MLflow's model-training view, its runs listed
+    with each stage's headline metrics (a view shared through the experiment, written here).
 
     MLflow 3.17's UI opens every experiment in its GenAI view (traces, evaluations) unless the
     address says otherwise; the experiment's own kind tag is not what decides it."""
     from mlflow.tracking import MlflowClient
 
+    from pipeline import outcomes
+    from pipeline.registry import STAGES
+    from pipeline.tracking import share_runs_view
+
     base = f"http://127.0.0.1:{port}"
+    client = MlflowClient(cfg.tracking_uri)
     try:
-        exp = MlflowClient(cfg.tracking_uri).get_experiment_by_name(cfg.mlflow.experiment)
+        exp = client.get_experiment_by_name(cfg.mlflow.experiment)
     except Exception:  # noqa: BLE001 - an unreadable store: the server will say why
         exp = None
-    return f"{base}/#/experiments/{exp.experiment_id}?workflowType=machine_learning" if exp else base
+    if exp is None:
+        return base
+    url = f"{base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+    # Whether post-training worked; the parent run's other outcomes (rows, sizes) are a click away.
+    columns = [f"{s.name}.{m}" for s in STAGES if s.name in VIEW_STAGES for t in s.outcomes for m in outcomes.fields(t)]
+    try:
+        return f"{url}&viewStateShareKey={share_runs_view(client, exp.experiment_id, columns)}"
+    except Exception:  # noqa: BLE001 - a read-only store: the default view
+        return url
 
 
 def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
@@ -282,9 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     as_json = getattr(args, "json", False)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    console = err if as_json else Console(highlight=False, soft_wrap=True)  # with --json, stdout is the summary
-    state: dict = {"cfg": None, "summary": {}}
+    router = None
+    if args.command == "run":  # library output goes to log files; the consoles write to the original streams
+        from pipeline.console import Router
+
+        router = Router(verbose=args.verbose)
+    err = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
+    # with --json, stdout is the summary
+    console = err if as_json else Console(file=router.out if router else sys.stdout, highlight=False, soft_wrap=True)
+    if router:
+        router.console = console
+    state: dict = {"cfg": None, "summary": {}, "router": router}
     if as_json:
         import contextlib
 
@@ -292,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             code, error = _main(args, console, err, state)
         import json
 
-        print(json.dumps(json_summary(state["cfg"], state["summary"], code, error), indent=2))
+        print(json.dumps(json_summary(state["cfg"], state["summary"], code, error), indent=2),
+              file=router.out if router else sys.stdout)
         return code
     return _main(args, console, err, state)[0]
 
@@ -415,7 +444,9 @@ def _command(args, console, state: dict) -> int:
     from pipeline.tracking import check_reachable
 
     check_reachable(cfg.tracking_uri)
-    summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
+    # Library output (Ray, vLLM, DeepSpeed, MLflow) goes to <run_dir>/logs/<stage>.log, ours to the console.
+    with state["router"].capture(cfg.run_dir):
+        summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
     ran = sum(p.status == "miss" for p in summary["plan"])
     cached = sum(p.status == "hit" for p in summary["plan"])
     print_outcomes(cfg, args.config, summary, console)

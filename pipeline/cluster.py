@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 
 from pipeline import storage
+from pipeline.console import capture_ray_logs
 from pipeline.tracking import cluster_store_problem
 
 # What the cluster's workers need of the project is its code, not the venv, runs or tests.
@@ -50,6 +51,7 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
             "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES}
         try:
             ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            capture_ray_logs()  # workers' output: ours to the console, the rest to the stage's log file
         except (ConnectionError, RuntimeError, ValueError) as exc:
             from pipeline.errors import UserError
 
@@ -83,6 +85,7 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
             # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
             include_dashboard=True,
         )
+        capture_ray_logs()
     return True
 
 

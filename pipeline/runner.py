@@ -11,6 +11,7 @@ stage asks for it (`ctx.ray()`), so a fully cached rerun never starts it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts, outcomes, storage
+from pipeline import console as console_mod
 from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
 from pipeline.errors import LockError, UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
@@ -373,6 +375,15 @@ class RunContext:
     def progress(self, message: str) -> None:
         self.console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {self.name}: {message}")
 
+    def advance(self, done: int, total: int | None, unit: str = "step", note: str = "") -> None:
+        event = {"task": self.name, "done": done, "total": total, "unit": unit, "note": note}
+        router = console_mod.current()
+        if router is not None:
+            router.event(event)
+        else:  # called as a library (no command line routing the console): plain lines on our console
+            self._board = getattr(self, "_board", None) or console_mod.Board(self.console, live=False)
+            self._board.update(event)
+
     def ray(self) -> None:
         from pipeline.cluster import ensure_ray
 
@@ -454,6 +465,15 @@ def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: RunContext) -> dict:
     return manifest
 
 
+def _attach_log(tracker, run_id: str, log_path: Path | None) -> None:
+    """The stage's library log on its MLflow run (under logs/); a log that cannot be attached stays on disk."""
+    if log_path is not None and log_path.exists():
+        try:
+            tracker.log_artifact(run_id, log_path, "logs")
+        except Exception:  # noqa: BLE001 - the stage's outcome does not depend on its log upload
+            pass
+
+
 def _record_lineage(cfg, tracker, run_id: str, p, manifest: dict, by_name: dict, producer: dict, console) -> None:
     """The stage run's datasets and models in MLflow (`pipeline.lineage`); a failure to record them
     is reported, not fatal: the stage's result is good either way."""
@@ -506,7 +526,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                                 "mlflow.source.git.commit": version.removesuffix("-dirty")})
         summary["parent_run_id"] = tracker.parent_id
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
-        status, run_id, ctx = "FINISHED", None, None
+        status, run_id, ctx, log_path = "FINISHED", None, None, None
         run_storage = storage.RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
         try:
             for i in range(1, len(active) + 1):
@@ -523,25 +543,30 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                     {"cache_key": p.key, "cache": p.status, "code_version": version,
                      "code_hash": artifacts.hash_json(p.components["code"])},
                 )
-                out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
-                if p.status == "hit":
-                    if store is not None:
-                        storage.sync_artifact(store, cfg.run_dir, name, p.key, console.print)
-                    manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
-                    tracker.log_metrics(run_id, manifest.get("metrics", {}))
-                else:
-                    inputs, upstream = {}, {}
-                    for inp in p.spec.inputs:
-                        up = by_name[producer[inp]]
+                # Library output of a stage that runs (Ray, vLLM, DeepSpeed...) goes to logs/<stage>.log when
+                # the command line captures it; the log is attached to the stage's MLflow run, failed or not.
+                # A cache hit keeps the log of the run that made its artifact.
+                with console_mod.stage_log(name) if p.status != "hit" else contextlib.nullcontext() as log_path:
+                    out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
+                    if p.status == "hit":
                         if store is not None:
-                            storage.sync_artifact(store, cfg.run_dir, up.spec.name, up.key, console.print)
-                        upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
-                        inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
-                            cfg.run_dir, up.spec.name, up.key))[inp]
-                    ctx = RunContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
-                                     inputs, console, tracker, run_id, run_storage, upstream)
-                    manifest = _run_stage(cfg, p, ctx)
-                    summary["started_ray"] |= ctx.started_ray
+                            storage.sync_artifact(store, cfg.run_dir, name, p.key, console.print)
+                        manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
+                        tracker.log_metrics(run_id, manifest.get("metrics", {}))
+                    else:
+                        inputs, upstream = {}, {}
+                        for inp in p.spec.inputs:
+                            up = by_name[producer[inp]]
+                            if store is not None:
+                                storage.sync_artifact(store, cfg.run_dir, up.spec.name, up.key, console.print)
+                            upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
+                            inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
+                                cfg.run_dir, up.spec.name, up.key))[inp]
+                        ctx = RunContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
+                                         inputs, console, tracker, run_id, run_storage, upstream)
+                        manifest = _run_stage(cfg, p, ctx)
+                        summary["started_ray"] |= ctx.started_ray
+                _attach_log(tracker, run_id, log_path)
                 tracker.log_dict(run_id, manifest, "manifest.json")
                 _record_lineage(cfg, tracker, run_id, p, manifest, by_name, producer, console)
                 tracker.end(run_id)
@@ -560,6 +585,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         finally:
             signal.signal(signal.SIGTERM, previous)
             if run_id:
+                _attach_log(tracker, run_id, log_path)
                 tracker.end(run_id, status)
             # What the finished stages achieved, on the parent run itself: comparable without expanding it.
             tracker.log_metrics(tracker.parent_id, outcomes.rollup(

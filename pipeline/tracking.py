@@ -11,6 +11,8 @@ server URI works the same way (`mlflow server`, see README).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import time
 from pathlib import Path
@@ -108,6 +110,24 @@ def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
 # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, "Evaluations");
 # a model-training experiment opens on the runs table, where stages and runs compare.
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+SHARED_VIEW_PREFIX = "mlflow.sharedViewState."  # + key: a runs-table view the UI opens with ?viewStateShareKey=key
+
+
+def share_runs_view(client, experiment_id: str, metric_columns: list[str]) -> str:
+    """Store the experiment's runs-table view for the UI and return its key.
+
+    MLflow's UI (3.17) shows only the Source, Models and Dataset columns and keeps stage runs
+    folded under their parent unless a person picks columns and expands each run by hand; a view
+    shared through an experiment tag can set the columns and the order, not the expansion. Runs
+    sorted by end time (latest first) are listed flat - the UI nests child runs only when sorted
+    by start time - so each pipeline run is followed by its stages, each with its headline metrics."""
+    state = {"orderByKey": "attributes.end_time", "orderByAsc": False, "searchFilter": "",
+             "selectedColumns": ["attributes.`Source`", "attributes.`Models`", "attributes.`Dataset`",
+                                 *(f"metrics.`{m}`" for m in metric_columns)]}
+    value = json.dumps(state, separators=(",", ":"))
+    key = "pipeline-" + hashlib.sha256(value.encode()).hexdigest()[:12]
+    client.set_experiment_tag(experiment_id, SHARED_VIEW_PREFIX + key, value)
+    return key
 
 
 class Tracker:

@@ -29,6 +29,12 @@ if ! command -v c++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" 
   apt-get update -qq && apt-get install -y -qq g++ >/dev/null
 fi
 
+# The MLflow UI test loads the runs table in headless Chromium (tests/test_cli_e2e.py).
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null \
+    && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+fi
+
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 # pip's "Location ... is ignored" notes come from this machine kind's extra local indexes: noise.

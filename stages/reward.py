@@ -167,7 +167,7 @@ def train_loop(c: dict) -> None:
     head, captured = None, {}
     if cfg.lm_loss_weight > 0:
         head, captured = lm_head_for(model, init), capture_score_input(model)
-    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "reward")
+    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
     total, pad_id = c["total_steps"], c["pad_id"]
@@ -178,7 +178,7 @@ def train_loop(c: dict) -> None:
     if state["step"] == 0:
         first = _evaluate(engine, evals)
         log.log(first, 0)
-        log.print(f"step 0/{total} " + " ".join(f"{k} {v:.4g}" for k, v in first.items()))
+        log.step(0, total, first)
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
     fault_armed = fault_at > state["step"]
     metrics: dict = {}
@@ -212,8 +212,7 @@ def train_loop(c: dict) -> None:
             if step % cfg.eval_every == 0 or step == total:
                 metrics.update(_evaluate(engine, evals))
             log.log(metrics, step)
-            if step % max(1, total // 40) == 0 or "eval_loss" in metrics:  # every step goes to MLflow
-                log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            log.step(step, total, metrics)  # every step goes to MLflow; the console shows progress
             state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
             if step == total:
                 metrics.update(training.peak_memory(rank, world))
@@ -258,7 +257,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id,
+        "run_id": ctx.run_id, "name": ctx.name,
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"

@@ -406,8 +406,9 @@ class Server:
             serve.shutdown()
 
 
-def smoke_load(url: str, cfg: ServeConfig, key: str | None) -> dict[str, float]:
-    """`smoke.requests` chat completions, `smoke.concurrency` at a time, with the official `openai` client."""
+def smoke_load(url: str, cfg: ServeConfig, key: str | None, advance=None) -> dict[str, float]:
+    """`smoke.requests` chat completions, `smoke.concurrency` at a time, with the official `openai` client;
+    `advance(done, total, unit)` reports each answered request."""
     import logging
     from concurrent.futures import ThreadPoolExecutor
 
@@ -425,8 +426,12 @@ def smoke_load(url: str, cfg: ServeConfig, key: str | None) -> dict[str, float]:
         return time.time() - t0, r.usage.completion_tokens, r.choices[0].message.content
 
     t0 = time.time()
+    results = []
     with ThreadPoolExecutor(s.concurrency) as pool:
-        results = list(pool.map(one, range(s.requests)))
+        for result in pool.map(one, range(s.requests)):
+            results.append(result)
+            if advance:
+                advance(len(results), s.requests, "request")
     wall = time.time() - t0
     latencies = [r[0] for r in results]
     tokens = sum(r[1] for r in results)
@@ -482,7 +487,7 @@ def run(cfg: ServeConfig, ctx: StageContext) -> dict[str, Path]:
         ctx.ray()
         server = Server(cfg, model_dir, ctx.progress, ctx.pipeline.seed)
         with server as url:
-            metrics = smoke_load(url, cfg, api_key(cfg))
+            metrics = smoke_load(url, cfg, api_key(cfg), ctx.advance)
             sample = metrics.pop("smoke_sample")
             ctx.log_metrics({**metrics, "deploy_s": server.deploy_s})
             ctx.progress(f"{cfg.smoke.requests} requests ({cfg.smoke.concurrency} at a time): latency p50 "

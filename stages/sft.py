@@ -90,7 +90,7 @@ def train_loop(c: dict) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **models.SAFE_LOAD)
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
-    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, "sft")
+    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
     t_start = time.time()
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
@@ -103,7 +103,7 @@ def train_loop(c: dict) -> None:
     if state["step"] == 0:
         loss0 = _eval_loss(engine, evals)
         log.log({"eval_loss": loss0}, 0)
-        log.print(f"step 0/{total} eval_loss {loss0:.4f}")
+        log.step(0, total, {"eval_loss": loss0})
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))  # fault drills and resume tests
     fault_armed = fault_at > state["step"]
     metrics: dict = {}
@@ -131,8 +131,7 @@ def train_loop(c: dict) -> None:
             if step % cfg.eval_every == 0 or step == total:
                 metrics["eval_loss"] = _eval_loss(engine, evals)
             log.log(metrics, step)
-            if step % max(1, total // 40) == 0 or "eval_loss" in metrics:  # every step goes to MLflow
-                log.print(f"step {step}/{total} " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            log.step(step, total, metrics)  # every step goes to MLflow; the console shows progress
             state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
             if step == total:
                 metrics.update(training.peak_memory(rank, world))
@@ -177,7 +176,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id,
+        "run_id": ctx.run_id, "name": ctx.name,
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"

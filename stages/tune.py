@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from pipeline import console
 from pipeline.schema import Section
 from pipeline.stage import StageContext
 
@@ -241,7 +242,10 @@ class TrialContext:
             client.set_tag(run_id or self.run_id, k, v)
 
     def progress(self, message: str) -> None:
-        print(f"{self.name}: {message}", flush=True)
+        console.say(f"{self.name}: {message}")
+
+    def advance(self, done: int, total: int | None, unit: str = "step", note: str = "") -> None:
+        console.advance(self.name, done, total, unit, note)
 
     def ray(self) -> None:
         """A trial already runs inside Ray."""
@@ -295,27 +299,34 @@ def _trial(config: dict, setup: dict) -> None:
 # --------------------------------------------------------------------------- the driver
 
 
-def _progress_callback(metric: str):
-    """A Tune callback printing one line per trial result, end and error (Tune's own tables are off).
+def _progress_callback(metric: str, mode: str, num_samples: int):
+    """A Tune callback reporting the sweep (Tune's own tables are off): trials finished out of
+    `num_samples` as progress, and one line per failed trial.
 
     Built on call so that importing this module does not import Ray; it holds plain values only
     because Tune pickles its run config.
     """
     from ray.tune import Callback
 
-    def say(message: str) -> None:
-        print(f"  {time.strftime('%H:%M:%S')} tune: {message}", flush=True)
-
     class Progress(Callback):
+        def __init__(self):
+            self.ended, self.best = 0, None
+
+        def _advance(self, trial, what: str) -> None:
+            self.ended += 1
+            best = "" if self.best is None else f", best {metric} {self.best:.4g}"
+            console.advance("tune", self.ended, num_samples, "trial", f"{trial.trial_id} {what}{best}")
+
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            if metric in result:
-                say(f"trial {trial.trial_id} step {result.get(TIME_ATTR)} {metric} {result[metric]:.4g}")
+            if isinstance(result.get(metric), (int, float)):
+                self.best = result[metric] if self.best is None else (min if mode == "min" else max)(self.best, result[metric])
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            say(f"trial {trial.trial_id} ended")
+            self._advance(trial, "ended")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            say(f"trial {trial.trial_id} failed")
+            console.say(f"tune: trial {trial.trial_id} failed")
+            self._advance(trial, "failed")
 
     return Progress()
 
@@ -426,7 +437,7 @@ def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
                                     trial_dirname_creator=lambda trial: trial.trial_id),
         # With an object store, Tune's experiment state lives in the bucket like every checkpoint.
         run_config=tune.RunConfig(name="sweep", storage_path=tune_storage, storage_filesystem=tune_fs, verbose=0,
-                                  callbacks=[_progress_callback(cfg.metric)]),
+                                  callbacks=[_progress_callback(cfg.metric, cfg.mode, cfg.num_samples)]),
     )
     try:
         grid = tuner.fit()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,17 @@ LEAN = ["stages.sft.num_workers=1", "stages.reward.num_workers=1", "stages.ppo.p
         "stages.ppo.rollout.num_engines=1", "stages.serve.smoke.requests=4"]
 
 
-def test_run_then_cached_rerun_without_ray(tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_smoke(tmp_path_factory):
+    """A smoke run made by the command line, as a user runs it: (run_dir, its result)."""
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
     first = run_cli("run", str(SMOKE), f"run_dir={run_dir}", *LEAN)
     assert first.returncode == 0, first.stderr[-3000:]
+    return run_dir, first
+
+
+def test_run_then_cached_rerun_without_ray(finished_smoke):
+    run_dir, first = finished_smoke
     assert "model miss - never run" in first.stdout and "data miss - never run" in first.stdout
     assert "Ray started" in first.stdout
     assert "serve: registered new version 1 of posttrain-policy" in first.stdout
@@ -47,6 +55,13 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert "held-out prompts (sign test p=" in table and "pairwise accuracy" in table
     assert "registered model: models:/posttrain-policy@champion" in table
     assert f"compare runs: python -m pipeline ui {SMOKE}" in table
+    # Only our lines reach the console (output not a terminal); library output is in each stage's
+    # log file, which is also on the stage's MLflow run.
+    console = (first.stdout + first.stderr).splitlines()
+    assert len(console) < 80, "\n".join(console)
+    assert not any("pid=" in line or "INFO" in line or "WARNING" in line for line in console), "\n".join(console)
+    assert "(RayTrainWorker pid=" in (run_dir / "logs" / "sft.log").read_text()
+    assert "vLLM" in (run_dir / "logs" / "ppo.log").read_text()
 
     # Everything cached: no stage runs and Ray is never contacted (an unreachable RAY_ADDRESS
     # would fail the run if anything tried).
@@ -78,7 +93,9 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     assert data_miss.data.params["stages.data.max_len"] == "64"
     assert data_miss.data.metrics["sft_train_rows"] == data_hit.data.metrics["sft_train_rows"] > 0
     assert "code_version" in data_miss.data.tags
-    assert {a.path for a in client.list_artifacts(data_hit.info.run_id)} == {"manifest.json"}
+    assert {a.path for a in client.list_artifacts(data_hit.info.run_id)} == {"manifest.json"}  # a hit logs nothing
+    sft_miss = children[(parents[0].info.run_id, "sft")].info.run_id
+    assert [a.path for a in client.list_artifacts(sft_miss, "logs")] == ["logs/sft.log"]
     assert "resolved_config.json" in {a.path for a in client.list_artifacts(parents[0].info.run_id)}
     # The parent run carries the headline outcomes itself, so runs compare without expanding them.
     for parent in parents:
@@ -111,6 +128,50 @@ def test_run_then_cached_rerun_without_ray(tmp_path):
     plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}", *LEAN, "stages.data.max_len=48")
     assert "config changed: stages.data.max_len" in plan.stdout
     assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 5  # data and what follows it
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOT = ROOT / "tests" / "artifacts" / "mlflow-ui.png"  # kept after the run, for a person to look at
+
+
+def _chromium(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                           "--window-size=3000,1000", "--virtual-time-budget=20000", *args],
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_the_mlflow_ui_lists_each_run_with_its_outcomes_and_its_stages(finished_smoke):
+    """`pipeline ui` on a finished run, in a real browser: the address it prints opens the runs table
+    with each pipeline run's headline metrics and its stage runs listed."""
+    from mlflow.tracking import MlflowClient
+
+    from helpers.cluster import free_port
+    from helpers.mlflow_server import server_process
+    from pipeline.__main__ import ui_url
+    from pipeline.config import load_config
+
+    assert CHROMIUM, "headless Chromium is needed: `make setup` installs it (scripts/setup.sh, Debian package chromium)"
+    run_dir, _ = finished_smoke
+    port = free_port()
+    with server_process([sys.executable, "-m", "pipeline", "ui", str(SMOKE), f"run_dir={run_dir}", "--port",
+                         str(port)], port) as (url, _proc):
+        address = ui_url(load_config(SMOKE, [f"run_dir={run_dir}"]), port)
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        SCREENSHOT.unlink(missing_ok=True)
+        shot = _chromium(f"--screenshot={SCREENSHOT}", address)
+        assert SCREENSHOT.is_file() and SCREENSHOT.stat().st_size > 10_000, shot.stderr[-2000:]
+        dom = _chromium("--dump-dom", address).stdout
+        client = MlflowClient(url)
+        runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    assert "Runs" in dom and "GenAI" in dom  # the model-training runs page, not the GenAI overview
+    assert f">{parent.info.run_name}<" in dom
+    for stage in ("model", "data", "sft", "reward", "ppo", "serve"):  # stage runs listed, not folded away
+        assert f">{stage}<" in dom, stage
+    for metric in ("sft.accuracy", "reward.eval_accuracy", "ppo.eval_accuracy", "ppo.eval_accuracy_sign_test_p"):
+        assert f">{metric}<" in dom, metric  # headline columns ...
+    shown = parent.data.metrics["reward.eval_accuracy"]  # ... with the parent run's values (as JavaScript prints them)
+    assert f">{int(shown) if shown == int(shown) else repr(shown)}<" in dom
 
 
 def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path):

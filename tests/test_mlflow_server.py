@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
@@ -43,8 +44,13 @@ def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_pat
         # The address printed opens this experiment's runs table (MLflow 3.17 opens its GenAI view otherwise).
         from pipeline.__main__ import ui_url
 
-        assert ui_url(load_config(SMOKE, [f"run_dir={run_dir}"]), port) == \
-            f"{url}/#/experiments/{exp.experiment_id}?workflowType=machine_learning"
+        address = ui_url(load_config(SMOKE, [f"run_dir={run_dir}"]), port)
+        prefix = f"{url}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey="
+        assert address.startswith(prefix)
+        # ... in a view shared through the experiment: runs listed flat, with the headline metric columns
+        view = json.loads(MlflowClient(url).get_experiment(exp.experiment_id).tags[
+            "mlflow.sharedViewState." + address.removeprefix(prefix)])
+        assert view["orderByKey"] == "attributes.end_time" and "metrics.`model.num_parameters`" in view["selectedColumns"]
         started = psutil.Process(proc.pid).children(recursive=True)
         # `mlflow ui` and one uvicorn worker: no GenAI job runner, no worker pool for one person
         assert [p.cmdline()[2] for p in started] == ["mlflow", "uvicorn"], [p.cmdline()[:4] for p in started]

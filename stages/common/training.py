@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from pipeline import console
 from stages.common.deepspeed import TrainingConfig, backend, device_env
 
 if TYPE_CHECKING:
@@ -121,19 +122,17 @@ class RankZeroLogger:
 
     def print(self, message: str) -> None:
         if self.rank == 0:
-            say(f"{self.prefix}: {message}")
+            console.say(f"{self.prefix}: {message}")
+
+    def step(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        """Progress of training on the driver's console (a live bar, or periodic lines in logs)."""
+        if self.rank == 0:
+            shown = {k: v for k, v in metrics.items() if k in PROGRESS_METRICS}
+            console.advance(self.prefix, step, total, "step", " ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
 
-def say(line: str) -> None:
-    """One line on the worker's stdout, which Ray forwards to the driver once.
-
-    Not `print`: Ray Train patches it in its workers to log through the root logger as well as
-    print whenever stdout is wrapped (as Ray's workers wrap it), and every step line reached the
-    console twice."""
-    import sys
-
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+# What a progress report shows of a step's metrics (all of them go to MLflow).
+PROGRESS_METRICS = ("train_loss", "eval_loss", "eval_accuracy")
 
 
 def pad(seqs: list, value: int, dtype=None):

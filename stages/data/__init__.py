@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline import storage
+from pipeline import console, storage
 from pipeline.errors import DataError
 from pipeline.schema import Section
 from pipeline.stage import StageContext
@@ -246,10 +246,11 @@ class Tokenize:
     the same pass; they are never written.
     """
 
-    def __init__(self, tokenizer_path: str, max_len: int, system_prompt: str | None):
+    def __init__(self, tokenizer_path: str, max_len: int, system_prompt: str | None, total_rows: int | None = None):
         from stages.common.models import load_tokenizer
 
         self.tok, self.max_len, self.system = load_tokenizer(tokenizer_path), max_len, system_prompt
+        self.total_rows = total_rows  # for the console's progress (rows done out of this, over all actors)
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         if self.system and messages[0]["role"] != "system":
@@ -286,6 +287,8 @@ class Tokenize:
                                         batch["payload"].to_pylist()):
             out, fits = self._row(kind, json.loads(payload))
             rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}"})
+        if self.total_rows:
+            console.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
         return _table(rows)
 
 
@@ -388,16 +391,14 @@ def _check_not_empty(kind: str, m: dict[str, int], had_input: bool) -> None:
 
 
 def _quiet_ray_data() -> None:
-    """On a terminal keep Ray Data's live progress bars; in logs (CI, jobs) our per-step lines
-    replace its per-execution log blocks, dozens per stage."""
+    """Our tokenize progress (rows, rate, ETA) replaces Ray Data's bars and per-execution log blocks,
+    dozens per stage, which would only fill the stage's log file."""
     import logging
-    import sys
 
     from ray.data import DataContext
 
-    if not sys.stderr.isatty():
-        DataContext.get_current().enable_progress_bars = False
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+    DataContext.get_current().enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
 
 
 def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
@@ -424,14 +425,15 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
         # One partition: its output is one sorted stream, the same every run (with several, the
         # partitions came out in completion order); the default (200) costs seconds of set-up.
         good = good.groupby(["kind", "order", "payload"], num_partitions=1)
-        good = good.map_groups(_first_row, batch_format="pyarrow")
-    ctx.progress(f"tokenizing {n_good} valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
+        good = good.map_groups(_first_row, batch_format="pyarrow").materialize()  # counted for the progress total
+        n_good = good.count()
+    ctx.progress(f"tokenizing {n_good} {'unique ' if cfg.dedupe else ''}valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
     from ray.data import ActorPoolStrategy
 
     tokens = good.map_batches(
         Tokenize, batch_format="pyarrow", batch_size=cfg.batch_size, compute=ActorPoolStrategy(size=cfg.tokenizer_actors),
         fn_constructor_kwargs={"tokenizer_path": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
-                               "system_prompt": cfg.system_prompt},
+                               "system_prompt": cfg.system_prompt, "total_rows": n_good},
     ).materialize()
     per_kind = _count_by(tokens, ["kind", "split"])
     metrics: dict[str, int] = {}

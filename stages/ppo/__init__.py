@@ -300,6 +300,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
               "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
               "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.sampling.max_new_tokens}
         metrics: dict[str, float] = {}
+        ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
         for it in range(start, cfg.iterations):
             t_iter = time.time()
             # 1. sample prompts (seeded per iteration, so a resumed run sees the same ones)
@@ -369,9 +370,10 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             trend["kl"].append(seq_kl)
             if cfg.log_samples:
                 ctx.log_dict(samples(rows, texts, scores, rule_scores, cfg.log_samples, n), f"samples/iter_{it + 1:04d}.json")
-            ctx.progress(f"iter {it + 1}/{cfg.iterations} reward {metrics['reward_mean']:.3f} "
-                         f"rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} len {metrics['response_length']:.1f} "
-                         f"| gen {t_gen:.1f}s score {t_score:.1f}s train {t_train:.1f}s sync {t_sync:.2f}s")
+            ctx.advance(it + 1, cfg.iterations, "iter",
+                        f"reward {metrics['reward_mean']:.3f} rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} "
+                        f"len {metrics['response_length']:.1f} | gen {t_gen:.1f}s score {t_score:.1f}s "
+                        f"train {t_train:.1f}s sync {t_sync:.2f}s")
             # 9. checkpoint
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
                 _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend},
