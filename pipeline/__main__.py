@@ -311,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     # with --json, stdout is the summary
     console = err if as_json else Console(file=router.out if router else sys.stdout, highlight=False, soft_wrap=True)
     if router:
+        from pipeline.console import install
+
         router.console = console
+        install(router)  # the runner sends library output to <run_dir>/logs once the run dir is checked
     state: dict = {"cfg": None, "summary": {}, "router": router}
     if as_json:
         import contextlib
@@ -444,9 +447,7 @@ def _command(args, console, state: dict) -> int:
     from pipeline.tracking import check_reachable
 
     check_reachable(cfg.tracking_uri)
-    # Library output (Ray, vLLM, DeepSpeed, MLflow) goes to <run_dir>/logs/<stage>.log, ours to the console.
-    with state["router"].capture(cfg.run_dir):
-        summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
+    summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
     ran = sum(p.status == "miss" for p in summary["plan"])
     cached = sum(p.status == "hit" for p in summary["plan"])
     print_outcomes(cfg, args.config, summary, console)

@@ -173,8 +173,8 @@ class Router:
     """Console and log files of one `python -m pipeline run` process (see the module docstring).
 
     Build it first, then the rich consoles on `out` / `err` (duplicates of the original stdout and
-    stderr), then `with router.capture(run_dir):` around the run and `with router.stage(name):`
-    around each stage."""
+    stderr), then `install` it; the runner wraps the run in `run_logs(run_dir)` (this router's
+    `capture`) and each stage in `stage_log(name)` (its `stage`)."""
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
@@ -196,7 +196,6 @@ class Router:
     @contextlib.contextmanager
     def capture(self, run_dir: Path) -> Iterator[Router]:
         """Send fds 1 and 2 (this process's and its children's) to the log files until the block ends."""
-        global _router
         self._logs_dir = Path(run_dir) / "logs"
         self._logs_dir.mkdir(parents=True, exist_ok=True)
         self._open("run", mode="a")
@@ -207,13 +206,13 @@ class Router:
         os.dup2(write_end, 2)
         os.close(write_end)
         threading.Thread(target=self._pump, args=(read_end,), name="pipeline-log-pump", daemon=True).start()
-        self._capturing, _router = True, self
+        self._capturing = True
         try:
             yield self
         finally:
             self._sync()
             self._stop_board()
-            _router, self._capturing = None, False
+            self._capturing = False
             os.dup2(self.out.fileno(), 1)
             os.dup2(self.err.fileno(), 2)
             with self._lock:
@@ -381,15 +380,32 @@ def _shown(path: Path | None) -> str:
     return str(path)
 
 
+def install(router: Router | None) -> None:
+    """Make `router` this process's (the command line does, for `run`); None removes it."""
+    global _router
+    _router = router
+
+
 def current() -> Router | None:
     """The router of this process, if `python -m pipeline run` installed one."""
     return _router
 
 
 @contextlib.contextmanager
+def run_logs(run_dir: Path) -> Iterator[None]:
+    """`Router.capture` for the installed router (the runner calls it once the run directory is
+    known to be usable and locked); nothing without one."""
+    if _router is None or _router._capturing:
+        yield
+        return
+    with _router.capture(run_dir):
+        yield
+
+
+@contextlib.contextmanager
 def stage_log(name: str) -> Iterator[Path | None]:
     """`Router.stage` when a router is capturing; otherwise nothing (a library caller keeps its own streams)."""
-    if _router is None:
+    if _router is None or not _router._capturing:
         yield None
         return
     with _router.stage(name) as path:

@@ -505,7 +505,8 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     store = storage.from_config(cfg)
     storage.check(store)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    with RunLock(cfg.run_dir):
+    # Library output (Ray, vLLM, DeepSpeed, MLflow) goes to <run_dir>/logs when the command line routes it.
+    with RunLock(cfg.run_dir), console_mod.run_logs(cfg.run_dir):
         fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
         # The planner keys every stage up front (validation, the plan shown); each selected stage is
         # keyed again just before it runs, from the keys its upstream stages ran with.

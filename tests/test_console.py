@@ -51,10 +51,11 @@ ROUTED = textwrap.dedent(r'''
     import logging, os, subprocess, sys
     from pathlib import Path
     from rich.console import Console
-    from pipeline.console import MARK, Router, advance, say
+    from pipeline.console import MARK, Router, advance, install, say
 
     router = Router(verbose=len(sys.argv) > 2)
     router.console = Console(file=router.out, highlight=False, soft_wrap=True)
+    install(router)
     with router.capture(Path(sys.argv[1])):
         print("outside any stage")
         with router.stage("sft") as log:
