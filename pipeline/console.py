@@ -130,10 +130,10 @@ class Board:
 
     def update(self, e: dict) -> None:
         now, task, total, unit = time.time(), str(e["task"]), e.get("total"), e.get("unit", "step")
-        t = self._tasks.get(task)
+        t = self._tasks.get(f"{task}/{unit}")  # a stage's phases differ by unit: serve's replicas, then requests
         done = (t["done"] if t else 0) + int(e["by"]) if "by" in e else int(e.get("done") or 0)
         if t is None:
-            t = self._tasks[task] = {"first": (now, 0 if "by" in e else done), "shown": None, "bar": None}
+            t = self._tasks[f"{task}/{unit}"] = {"first": (now, 0 if "by" in e else done), "shown": None, "bar": None}
         t["done"] = done
         rate, eta = rate_eta(t["first"], now, done, total)
         note = str(e.get("note") or "")

@@ -19,6 +19,7 @@ import hmac
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -353,10 +354,11 @@ def serve_running() -> bool:
 
 class Server:
     """The deployed app: `with Server(cfg, model_dir, log) as url:` deploys; on exit it deletes its own
-    app, and shuts Serve down only if it started it (other applications on the cluster keep running)."""
+    app, and shuts Serve down only if it started it (other applications on the cluster keep running).
+    `advance(done, total, unit, note)`, if given, receives the replicas running while it deploys."""
 
-    def __init__(self, cfg: ServeConfig, model_dir: Path, log, seed: int = 0):
-        self.cfg, self.model_dir, self.log, self.seed = cfg, model_dir, log, seed
+    def __init__(self, cfg: ServeConfig, model_dir: Path, log, seed: int = 0, advance=None):
+        self.cfg, self.model_dir, self.log, self.seed, self.advance = cfg, model_dir, log, seed, advance
         self.started_serve = self.deployed = False
         self.url = f"http://{'127.0.0.1' if cfg.http.host in ('0.0.0.0', '') else cfg.http.host}:{cfg.http.port}"
 
@@ -384,12 +386,20 @@ class Server:
         if self.started_serve:  # a running Serve's proxy already holds its port
             _check_port_free(self.cfg.http.host, self.cfg.http.port)
         serve.start(http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
+        stop = threading.Event()
+        if self.advance:
+            threading.Thread(target=_watch_replicas, args=(self.advance, stop, self.cfg.replicas + 1),
+                             name="serve-deploy-progress", daemon=True).start()
         try:
             self.deployed = True
             serve.run(app, name=APP, route_prefix="/")  # returns once every replica is RUNNING
         except BaseException:
             self.__exit__()
             raise
+        finally:
+            stop.set()
+        if self.advance:
+            self.advance(self.cfg.replicas + 1, self.cfg.replicas + 1, "replica", "RUNNING")
         self.deploy_s = time.time() - t0
         self.log(f"serving at {self.url}/v1 (model {self.cfg.served_name()!r}) after {self.deploy_s:.0f}s")
         return self.url
@@ -404,6 +414,23 @@ class Server:
                 pass
         if self.started_serve:
             serve.shutdown()
+
+
+def _watch_replicas(advance, stop, total: int, every_s: float = 5.0) -> None:
+    """Report the app's running replicas (the LLM servers and the ingress) while `serve.run` waits for them:
+    vLLM start-up takes a minute or more, and `serve.run` says nothing until it is done."""
+    from ray import serve
+
+    advance(0, total, "replica", "DEPLOYING")
+    while not stop.wait(every_s):
+        try:
+            app = serve.status().applications.get(APP)
+        except Exception:  # noqa: BLE001 - a status poll failing is no reason to stop deploying
+            continue
+        if app is not None:
+            running = sum(n for d in app.deployments.values() for state, n in d.replica_states.items()
+                          if str(getattr(state, "value", state)) == "RUNNING")
+            advance(running, total, "replica", str(getattr(app.status, "value", app.status)))
 
 
 def smoke_load(url: str, cfg: ServeConfig, key: str | None, advance=None) -> dict[str, float]:
@@ -485,7 +512,7 @@ def run(cfg: ServeConfig, ctx: StageContext) -> dict[str, Path]:
     if cfg.deploy:
         model_dir = fetch(info["uri"], ctx.pipeline.tracking_uri, ctx.pipeline.run_dir / "registry_cache")
         ctx.ray()
-        server = Server(cfg, model_dir, ctx.progress, ctx.pipeline.seed)
+        server = Server(cfg, model_dir, ctx.progress, ctx.pipeline.seed, ctx.advance)
         with server as url:
             metrics = smoke_load(url, cfg, api_key(cfg), ctx.advance)
             sample = metrics.pop("smoke_sample")

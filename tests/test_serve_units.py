@@ -278,3 +278,30 @@ def test_engines_load_safetensors_only_and_every_served_model_passes_the_safety_
     assert kwargs["load_format"] == "safetensors"  # `extra` cannot switch the engine to pickle weights
     with pytest.raises(UserError, match="only pickle weights"):  # `pipeline serve --model DIR`, batch-infer
         model_registry.fetch(str(model), "sqlite:///unused.db", tmp_path / "cache")
+
+
+def test_deploying_reports_running_replicas_until_serve_run_returns(monkeypatch):
+    """`serve.run` says nothing for the minute vLLM takes to start: a watcher reports the app's
+    running replicas (LLM servers + ingress) as progress."""
+    import threading
+    from types import SimpleNamespace
+
+    from ray import serve
+
+    from stages.serve import APP, _watch_replicas
+
+    polls = iter([{"LLMServer": {"STARTING": 1}, "OpenAiIngress": {"RUNNING": 1}},
+                  {"LLMServer": {"RUNNING": 1}, "OpenAiIngress": {"RUNNING": 1}}])
+    stop, seen = threading.Event(), []
+
+    def status():
+        states = next(polls, None)
+        if states is None:
+            stop.set()
+            states = {}
+        deployments = {n: SimpleNamespace(replica_states=s) for n, s in states.items()}
+        return SimpleNamespace(applications={APP: SimpleNamespace(status="DEPLOYING", deployments=deployments)})
+
+    monkeypatch.setattr(serve, "status", status)
+    _watch_replicas(lambda done, total, unit, note: seen.append((done, total, unit)), stop, 2, every_s=0.01)
+    assert seen[:3] == [(0, 2, "replica"), (1, 2, "replica"), (2, 2, "replica")]
