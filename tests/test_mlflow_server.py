@@ -50,7 +50,7 @@ def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_pat
         # ... in a view shared through the experiment: runs listed flat, with the headline metric columns
         view = json.loads(MlflowClient(url).get_experiment(exp.experiment_id).tags[
             "mlflow.sharedViewState." + address.removeprefix(prefix)])
-        assert view["orderByKey"] == "attributes.end_time" and "metrics.`model.num_parameters`" in view["selectedColumns"]
+        assert view["orderByKey"] == "attributes.end_time" and "metrics.`ppo.eval_accuracy`" in view["selectedColumns"]
         started = psutil.Process(proc.pid).children(recursive=True)
         # `mlflow ui` and one uvicorn worker: no GenAI job runner, no worker pool for one person
         assert [p.cmdline()[2] for p in started] == ["mlflow", "uvicorn"], [p.cmdline()[:4] for p in started]
