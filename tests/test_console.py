@@ -108,16 +108,19 @@ def test_verbose_shows_library_output_live_and_still_logs_it(tmp_path):
         assert line in log and line in result.stderr, line
 
 
-def test_on_a_terminal_progress_is_a_live_bar_with_rate_and_eta():
+def test_on_a_terminal_progress_is_a_live_bar_with_rate_and_eta(monkeypatch):
     import io
 
     from rich.console import Console
 
+    from pipeline import console
+
+    clock = iter([1000.0, 1003.0])  # the two reports, three seconds apart
+    monkeypatch.setattr(console.time, "time", lambda: next(clock, 1003.0))
     out = io.StringIO()
     board = Board(Console(file=out, force_terminal=True, width=160), live=None)  # decides by the console
     assert board.live
     board.update({"task": "sft", "done": 0, "total": 12, "unit": "step", "note": ""})
-    board._tasks["sft/step"]["first"] = (board._tasks["sft/step"]["first"][0] - 3, 0)  # three seconds ago
     board.update({"task": "sft", "done": 6, "total": 12, "unit": "step", "note": "loss 2.31"})
     board.stop()
     shown = out.getvalue()
