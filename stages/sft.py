@@ -152,6 +152,15 @@ def train_loop(c: dict) -> None:
 # --------------------------------------------------------------------------- the stage
 
 
+def accuracy_warning(base: float, after: float, n: int, lr: float) -> str | None:
+    """A warning when SFT left the model worse on held-out prompts than it started: the usual cause
+    is a learning rate for a model trained from scratch used on a pretrained one."""
+    if after >= base:
+        return None
+    return (f"warning: SFT lowered held-out greedy accuracy from {base:.3f} to {after:.3f} on {n} prompts; "
+            f"stages.sft.lr={lr:g} may be too high for this model (pretrained models usually want 1e-5 to 1e-4)")
+
+
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
@@ -188,5 +197,9 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
         metrics["accuracy"] = greedy_accuracy(out, prompts, cfg.max_new_tokens)
         metrics["accuracy_prompts"] = len(prompts)
         ctx.progress(f"accuracy {metrics['base_accuracy']:.3f} (base) -> {metrics['accuracy']:.3f} (sft)")
+        warning = accuracy_warning(metrics["base_accuracy"], metrics["accuracy"], len(prompts), cfg.lr)
+        if warning:
+            ctx.progress(warning)
+            ctx.set_tags({"warning": warning})
     ctx.log_metrics(metrics, step=steps)  # at the last step: per-step curves stay as rank 0 logged them
     return {"sft_model": out}

@@ -234,3 +234,11 @@ def test_deepspeed_jit_builds_go_to_this_environment_unless_the_user_chose_a_dir
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     isolate_jit_builds()
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path)
+
+
+def test_sft_warns_with_the_numbers_when_it_leaves_the_model_worse_than_it_started():
+    from stages.sft import accuracy_warning
+
+    assert accuracy_warning(0.3, 0.3, 16, 5e-5) is None and accuracy_warning(0.3, 0.5, 16, 5e-5) is None
+    warning = accuracy_warning(0.3, 0.0, 16, 3e-3)
+    assert "from 0.300 to 0.000 on 16 prompts" in warning and "stages.sft.lr=0.003" in warning
