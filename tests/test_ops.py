@@ -369,9 +369,10 @@ def test_checkpoints_load_from_safetensors_only_and_never_run_their_code(tmp_pat
     # a new loader that forgets it fails here.
     import ast
 
-    from stages.common.models import SAFE_LOAD
+    from stages.common.models import GGUF_SAFE_LOAD, SAFE_LOAD
 
     assert SAFE_LOAD == {"use_safetensors": True, "trust_remote_code": False}
+    assert GGUF_SAFE_LOAD == {"trust_remote_code": False}  # a .gguf model.source: tensors, no pickle
     loads = []
     for path in sorted((ROOT / "stages").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -26,6 +26,8 @@ PAD, BOS_TURN, EOS_TURN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # How every stage loads a model: safetensors only (pickle weights can run code when loaded), and
 # never code shipped inside a checkpoint. vLLM engines have their own `engine.trust_remote_code`.
 SAFE_LOAD = {"use_safetensors": True, "trust_remote_code": False}
+# A GGUF file (model.source) holds tensors and metadata, no pickle: never checkpoint code either.
+GGUF_SAFE_LOAD = {"trust_remote_code": False}
 
 
 class BuiltinModelConfig(Section):
@@ -177,8 +179,9 @@ def convert_gguf(path: Path, out: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)  # with the file's chat template
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)  # + chat template
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                 **GGUF_SAFE_LOAD)
     # The weights are plain float32 now; transformers still marks the model as GGUF-quantized and
     # refuses to save it. Drop the marks so it saves (and later loads) as an ordinary checkpoint.
     model.hf_quantizer = None
