@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
         router.console = console
         install(router)  # the runner sends library output to <run_dir>/logs once the run dir is checked
-    state: dict = {"cfg": None, "summary": {}, "router": router}
+    state: dict = {"cfg": None, "summary": {}}
     if as_json:
         import contextlib
 

@@ -99,6 +99,11 @@ def rate_eta(first: tuple[float, int], now: float, done: int, total: int | None)
     return rate, (None if total is None else max(0.0, (total - done) / rate))
 
 
+def stamped(markup: str) -> str:
+    """How every line of ours reads on the console: indented, with the time."""
+    return f"  [dim]{time.strftime('%H:%M:%S')}[/] {markup}"
+
+
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else (
@@ -143,8 +148,7 @@ class Board:
         finished = total is not None and done >= total
         if t["shown"] is None or finished or now - t["shown"] >= PLAIN_INTERVAL_S:
             t["shown"] = now
-            self.console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] "
-                               f"{_escape(progress_line(task, unit, done, total, rate, eta, note))}")
+            self.console.print(stamped(_escape(progress_line(task, unit, done, total, rate, eta, note))))
 
     def _bar(self, task: str, t: dict, info: str, done: int, total: int | None) -> None:
         from rich.progress import BarColumn, Progress, TextColumn
@@ -342,7 +346,7 @@ class Router:
         """Show one of our events (a line, or progress)."""
         with self._lock:
             if "line" in event:
-                self._print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {_escape(str(event['line']))}")
+                self._print(stamped(_escape(str(event["line"]))))
                 return
             self._progress(event)
 

@@ -344,6 +344,7 @@ class RunContext:
     upstream: dict[str, dict] = field(default_factory=dict)  # input name -> the manifest of the stage that made it
     metrics: dict[str, float] = field(default_factory=dict)
     started_ray: bool = False
+    board: Any = field(default=None, repr=False)  # progress shown when no command line routes the console
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.metrics.update(metrics)
@@ -373,7 +374,7 @@ class RunContext:
         return []
 
     def progress(self, message: str) -> None:
-        self.console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {self.name}: {message}")
+        self.console.print(console_mod.stamped(f"{self.name}: {message}"))
 
     def advance(self, done: int, total: int | None, unit: str = "step", note: str = "") -> None:
         event = {"task": self.name, "done": done, "total": total, "unit": unit, "note": note}
@@ -381,8 +382,8 @@ class RunContext:
         if router is not None:
             router.event(event)
         else:  # called as a library (no command line routing the console): plain lines on our console
-            self._board = getattr(self, "_board", None) or console_mod.Board(self.console, live=False)
-            self._board.update(event)
+            self.board = self.board or console_mod.Board(self.console, live=False)
+            self.board.update(event)
 
     def ray(self) -> None:
         from pipeline.cluster import ensure_ray
