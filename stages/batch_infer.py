@@ -167,7 +167,7 @@ class RewardScorer:
         self.prompt_field = prompt_field
 
     def __call__(self, batch):
-        from stages.common.models import reward_scores
+        from stages.common.training import reward_scores
 
         rewards: list[float | None] = [None] * len(batch)
         prompts, completions = list(batch[self.prompt_field]), list(batch["completion"])

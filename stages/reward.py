@@ -152,7 +152,7 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from stages.common import models, training
+    from stages.common import lora, models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
@@ -164,9 +164,11 @@ def train_loop(c: dict) -> None:
     model.config.pad_token_id = c["pad_id"]  # the classifier reads the last non-pad token
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.lora:  # an adapter on the backbone; the score head trains in full
+        model = lora.wrap(model, cfg.lora, "sequence", cfg.deepspeed.activation_checkpointing)
     head, captured = None, {}
-    if cfg.lm_loss_weight > 0:
-        head, captured = lm_head_for(model, init), capture_score_input(model)
+    if cfg.lm_loss_weight > 0:  # after wrapping: LoRA replaces the score head by the copy it trains
+        head, captured = lm_head_for(lora.base_of(model), init), capture_score_input(lora.base_of(model))
     log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
@@ -238,6 +240,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.models import load_tokenizer
     from stages.common.training import export, fit
+    from stages.common.lora import describe
 
     data = ctx.inputs["preference_data"]
     init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
@@ -253,7 +256,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     tok = load_tokenizer(init)
     ctx.ray()
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
-                 f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from})")
+                 f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from}{describe(cfg.lora)})")
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
@@ -261,7 +264,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
-    metrics = export(result, out, tok)
+    metrics = export(result, out, tok, init, "sequence")  # a LoRA adapter is merged into `init` here
     ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}, "
                  f"mean margin {metrics.get('eval_margin', float('nan')):.3f}")
     ctx.log_metrics(metrics, step=steps)

@@ -80,7 +80,7 @@ def train_loop(c: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.common import models, training
+    from stages.common import lora, models, training
 
     rank, world = training.worker_rank()
     training.set_threads(world)
@@ -90,6 +90,8 @@ def train_loop(c: dict) -> None:
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **models.SAFE_LOAD)
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.lora:
+        model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
     log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
     t_start = time.time()
     engine = training.init_engine(model, c["ds_config"])
@@ -164,6 +166,7 @@ def accuracy_warning(base: float, after: float, n: int, lr: float) -> str | None
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
+    from stages.common.lora import describe
     from stages.common.models import greedy_accuracy, load_tokenizer
     from stages.common.parquet import read_rows
     from stages.common.training import export, fit
@@ -181,7 +184,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     tok = load_tokenizer(base)
     ctx.ray()
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
-                 f"{'bf16' if bf16 else 'fp32'}, {n_train} rows)")
+                 f"{'bf16' if bf16 else 'fp32'}, {n_train} rows{describe(cfg.lora)})")
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
@@ -189,7 +192,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
-    metrics = export(result, out, tok)
+    metrics = export(result, out, tok, base, "causal")  # a LoRA adapter is merged into the base here
     prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
     if prompts:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts")

@@ -20,7 +20,8 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracki
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForSequenceClassification
 
-    from stages.common.models import load_tokenizer, reward_scores
+    from stages.common.models import load_tokenizer
+    from stages.common.training import reward_scores
 
     summary = smoke_trained.summary
     manifest, run_id = summary["stages"]["reward"], summary["run_ids"]["reward"]

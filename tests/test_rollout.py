@@ -74,6 +74,8 @@ def _logprob_mismatch(engine, model, prompts: list[list[int]]) -> dict[str, floa
 
 
 def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, model_dir):
+    import copy
+
     import ray
     import torch
     from transformers import AutoModelForCausalLM
@@ -112,6 +114,21 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
         assert mismatch["logprob_mismatch_mean"] < 1e-4, mismatch
         stale = _logprob_mismatch(pool.engines[0], AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts)
         assert stale["logprob_mismatch_mean"] > 100 * max(mismatch["logprob_mismatch_mean"], 1e-6), (stale, mismatch)
+
+        # A LoRA policy syncs its merged weights (base + adapter, `lora.merged_state_dict`): the engines then
+        # generate exactly what the trainer's PEFT model does.
+        from stages.common import lora
+
+        policy = lora.wrap(copy.deepcopy(model), lora.LoraSection(r=4, alpha=8), "causal")
+        with torch.no_grad():
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.3)
+        with_adapter = _hf_greedy(policy, prompts, n)
+        assert with_adapter != expected  # the adapter changes the greedy answers
+        pool.sync(ray.put(weights_to_numpy(lora.merged_state_dict(policy))))
+        assert engine_tokens() == [with_adapter, with_adapter]
+        pool.sync(ray.put(weights_to_numpy(model.state_dict())))  # back to the plain update for what follows
 
         # An engine dies: revive() restarts it and brings it to the synced weights, not the checkpoint's.
         pool.kill(0)

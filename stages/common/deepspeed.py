@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
 
@@ -36,6 +36,40 @@ class DeepSpeedSection(Section):
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage >= 1; set zero_stage: 1, 2 or 3")
         return self
+
+
+class LoraSection(Section):
+    """Train LoRA adapters instead of every weight (PEFT; the code is stages/common/lora.py)."""
+
+    r: int = Field(16, ge=1, description="Rank of each adapter's low-rank update.")
+    alpha: float = Field(32.0, gt=0, description="Scale of the update (the update is multiplied by alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input during training.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Layers that get an adapter: 'all-linear' (every linear layer but the output "
+        "layer) or a list of module names, e.g. [q_proj, v_proj].")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list adapts nothing; use 'all-linear' or name modules, e.g. [q_proj, v_proj]")
+        return v
+
+
+def describe(lora: LoraSection | None) -> str:
+    """How a progress line names a role's LoRA ('' for full fine-tuning)."""
+    if lora is None:
+        return ""
+    targets = lora.target_modules if isinstance(lora.target_modules, str) else ",".join(lora.target_modules)
+    return f", LoRA r={lora.r} on {targets}"
+
+
+def zero3_problem(lora: LoraSection | None, zero_stage: int, where: str) -> str | None:
+    """Why a role's LoRA and DeepSpeed settings cannot go together (None if they can)."""
+    if lora is not None and zero_stage == 3:
+        return (f"{where}: LoRA with deepspeed.zero_stage 3 is not supported (merging the adapter reads whole "
+                "weights); use zero_stage 2, which with a frozen base already shards all that grows")
+    return None
 
 
 class TrainingConfig(Section):
@@ -60,6 +94,8 @@ class TrainingConfig(Section):
         "PACK", description="How Ray places the workers on a cluster's nodes (Ray Train's ScalingConfig): 'PACK' "
         "fills few nodes (fast collectives), 'SPREAD' / 'STRICT_SPREAD' put them on different nodes.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings.")
+    lora: LoraSection | None = Field(None, description="Train LoRA adapters instead of every weight (empty: full "
+                                     "fine-tuning); the adapter is merged into the model when the stage ends.")
     use_tuned: bool = Field(False, description="Train with the best values of the tune stage's sweep over this stage "
                             "(needs stages.tune with this stage as target).")
 
@@ -71,6 +107,13 @@ class TrainingConfig(Section):
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size x num_workers "
                 f"({self.micro_batch_size} x {self.num_workers} = {per_step}); e.g. batch_size: {per_step * max(1, self.batch_size // per_step)}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits_zero(self) -> "TrainingConfig":
+        problem = zero3_problem(self.lora, self.deepspeed.zero_stage, "lora")
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

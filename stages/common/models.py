@@ -325,22 +325,3 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int
 
     texts = greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens)
     return sum(verify(t, r["answer"]) for t, r in zip(texts, rows)) / max(len(rows), 1)
-
-
-def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[float]:
-    """A reward model's score of each (prompt, response), formatted as in its training data (one
-    chat turn each, the data stage's template); `model` is an HF sequence classifier or a DeepSpeed
-    engine around one. Used by PPO's reward role and by batch inference."""
-    import torch
-
-    from stages.common.training import pad
-
-    texts = [tok.apply_chat_template([{"role": "user", "content": str(p)}, {"role": "assistant", "content": str(r)}],
-                                     tokenize=False) for p, r in pairs]
-    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    out: list[float] = []
-    with torch.no_grad():
-        for i in range(0, len(ids), micro):
-            input_ids, attn = pad(ids[i : i + micro], tok.pad_token_id)
-            out += model(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()
-    return out

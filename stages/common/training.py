@@ -2,8 +2,9 @@
 
 Each stage keeps its own loop (what it computes); this module holds only the plumbing both need:
 building the `TorchTrainer`, a rank-0 MLflow logger, padding, checkpoints that carry the
-DeepSpeed state (optimizer, scheduler) plus the position in the data, and saving a HF model
-(gathering ZeRO-3 shards first).
+DeepSpeed state (optimizer, scheduler) plus the position in the data (with LoRA: the adapter only,
+as safetensors), saving a HF model (gathering ZeRO-3 shards first), and scoring with a reward
+model (the reward stage's output, read by PPO and batch inference).
 
 Checkpoints: every rank writes its DeepSpeed shard into a local directory and reports it; Ray
 Train merges them into one checkpoint under `storage_path/name`. A rerun with the same
@@ -89,12 +90,23 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
     return trainer.fit()
 
 
-def export(result, out: Path, tokenizer) -> dict[str, float]:
-    """Copy the final checkpoint's HF model (+ tokenizer) to `out`; return the final metrics."""
+def export(result, out: Path, tokenizer, base: Path | None = None, kind: str = "causal") -> dict[str, float]:
+    """The final checkpoint's model (+ tokenizer) as an HF directory at `out`; return the final metrics.
+
+    A LoRA checkpoint holds the adapter only: it is merged into `base` here (`lora.merge_into`), and
+    kept beside the model (`out.parent / "adapter"`) for base + adapter serving."""
     import shutil
 
+    from stages.common import lora
+
     with result.checkpoint.as_directory() as d:
-        shutil.copytree(Path(d) / "hf", out)
+        adapter = Path(d) / lora.ADAPTER_DIR
+        if adapter.is_dir():
+            lora.merge_into(base, adapter, kind, out, tokenizer.pad_token_id)
+            shutil.copytree(adapter, out.parent / lora.ADAPTER_DIR)
+            tokenizer.save_pretrained(out.parent / lora.ADAPTER_DIR)
+        else:
+            shutil.copytree(Path(d) / "hf", out)
     tokenizer.save_pretrained(out)
     return {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
 
@@ -176,6 +188,23 @@ def rank_batches(dataset, micro: int, rank: int, world: int, collate_fn: Callabl
         mine = rank_slices(batch, rank, world)
         if mine is not None:
             yield collate_fn(mine)
+
+
+def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[float]:
+    """A reward model's score of each (prompt, response), formatted as in its training data (one
+    chat turn each, the data stage's template); `model` is an HF sequence classifier or a DeepSpeed
+    engine around one. Used by PPO's reward role and by batch inference."""
+    import torch
+
+    texts = [tok.apply_chat_template([{"role": "user", "content": str(p)}, {"role": "assistant", "content": str(r)}],
+                                     tokenize=False) for p, r in pairs]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    out: list[float] = []
+    with torch.no_grad():
+        for i in range(0, len(ids), micro):
+            input_ids, attn = pad(ids[i : i + micro], tok.pad_token_id)
+            out += model(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()
+    return out
 
 
 # Splits up to this many bytes of Parquet are read by each worker with pyarrow (`ParquetSplit`).
@@ -279,7 +308,9 @@ def init_engine(model, ds_config: dict):
 
     from stages.common.deepspeed import safe_checkpoint_loads
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    # Only what trains gets optimizer state (all of it, or a LoRA adapter and its score head).
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
     safe_checkpoint_loads(engine)
     return engine
 
@@ -292,20 +323,69 @@ def restore(engine) -> dict:
     if checkpoint is None:
         return {"step": 0, "epoch": 0, "micro_in_epoch": 0}
     with checkpoint.as_directory() as d:
-        engine.load_checkpoint(d, tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        load_checkpoint(engine, Path(d))
         return json.loads((Path(d) / STATE_FILE).read_text())
 
 
+def save_checkpoint(engine, directory: Path, rank: int) -> None:
+    """DeepSpeed's state of `engine` (collective); with LoRA the model part is the adapter only, which
+    rank 0 also writes as safetensors (`adapter/`), what resuming and merging read."""
+    from stages.common import lora
+
+    peft = lora.is_peft(engine.module)
+    if peft:
+        _exclude_tied_frozen_weights(engine)
+    engine.save_checkpoint(str(directory), tag=DS_TAG, exclude_frozen_parameters=peft)
+    if peft and rank == 0:
+        lora.save_adapter(engine.module, Path(directory) / lora.ADAPTER_DIR)
+
+
+def _exclude_tied_frozen_weights(engine) -> None:
+    """Make DeepSpeed's `exclude_frozen_parameters` also drop frozen *tied* weights.
+
+    DeepSpeed removes the names `named_parameters()` lists, which lists a tied weight once: the
+    output layer tied to the frozen input embeddings stayed in every LoRA checkpoint, a full copy of
+    the embedding matrix (113 MB for SmolLM2-135M). Patched on the engine instance, not the class."""
+    if getattr(engine, "_frozen_tied_excluded", False):
+        return
+    original = type(engine).module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters=False, **kwargs):
+        state = original(engine, *args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for name, p in engine.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    state.pop(name, None)
+        return state
+
+    engine.module_state_dict = module_state_dict
+    engine._frozen_tied_excluded = True
+
+
+def load_checkpoint(engine, directory: Path) -> None:
+    """Counterpart of `save_checkpoint`: optimizer and scheduler state, and the weights."""
+    from stages.common import lora
+
+    peft = lora.is_peft(engine.module)
+    engine.load_checkpoint(str(directory), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+                           load_module_strict=not peft)  # a LoRA checkpoint holds no base weights
+    if peft:
+        lora.load_adapter(engine.module, Path(directory) / lora.ADAPTER_DIR)
+
+
 def save_hf(engine, directory: Path, rank: int) -> None:
-    """Write the full model in HF format on rank 0 (collective: every rank must call it)."""
+    """Write the full model in HF format on rank 0 (collective: every rank must call it); a LoRA model
+    is written merged (`lora.merged_state_dict`)."""
     import deepspeed
+
+    from stages.common import lora
 
     params = list(engine.module.parameters())
     zero3 = engine.zero_optimization_stage() == 3
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
         if rank == 0:
-            state = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-            engine.module.save_pretrained(directory, state_dict=state, safe_serialization=True)
+            state = {k: v.detach().cpu().clone() for k, v in lora.merged_state_dict(engine.module).items()}
+            lora.base_of(engine.module).save_pretrained(directory, state_dict=state, safe_serialization=True)
 
 
 def report(engine, state: dict, metrics: dict[str, Any], rank: int, with_checkpoint: bool) -> None:
@@ -316,9 +396,12 @@ def report(engine, state: dict, metrics: dict[str, Any], rank: int, with_checkpo
     if not with_checkpoint:
         ray.train.report(metrics)
         return
+    from stages.common import lora
+
     with tempfile.TemporaryDirectory() as d:
-        engine.save_checkpoint(d, tag=DS_TAG, exclude_frozen_parameters=False)
-        save_hf(engine, Path(d) / "hf", rank)
+        save_checkpoint(engine, Path(d), rank)
+        if not lora.is_peft(engine.module):  # a LoRA adapter is merged by `export`, once, on the driver
+            save_hf(engine, Path(d) / "hf", rank)
         if rank == 0:
             (Path(d) / STATE_FILE).write_text(json.dumps(state))
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))

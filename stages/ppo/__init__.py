@@ -2,7 +2,8 @@
 
 Roles (each a `ModelGroup` of `PPOWorker` ranks with DeepSpeed inside, sized in the YAML):
 policy (trainable, from the SFT model), critic (trainable, from the reward model; PPO only),
-reference (frozen SFT model, for the KL penalty) and reward (the reward model; used when
+reference (frozen SFT model, for the KL penalty; with `policy.lora` the policy itself with its
+adapter switched off, so no second copy is started) and reward (the reward model; used when
 `rewards.model_weight` is not 0). Rollouts come from `rollout.num_engines` vLLM engines, each a
 Ray actor (`rollout.py`); policy ranks send their share of the prompts to engines
 themselves (any rank can call any engine). The score of a response mixes the reward model and a
@@ -118,7 +119,8 @@ def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, tra
     group = ModelGroup(name, PPOWorker, role.num_ranks, 1, gpu, cfg.placement_strategy, env=device_env(gpu))
     spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
             "seed": seed, "storage": run_storage, "activation_checkpointing": role.deepspeed.activation_checkpointing,
-            "zero_head": kind == "value" and cfg.critic_zero_init, "ds_config": ds_config}
+            "zero_head": kind == "value" and cfg.critic_zero_init, "ds_config": ds_config,
+            "lora": role.lora.model_dump(mode="json") if trainable and role.lora else None}
     return group, group.run("setup", spec)
 
 
@@ -128,6 +130,7 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     import ray
 
     from stages.common.deepspeed import use_gpu
+    from stages.common.lora import describe
     from stages.common.models import load_tokenizer
     from stages.ppo.rollout import EnginePool, EngineSpec
     from stages.ppo.scoring import rule_reward
@@ -141,15 +144,19 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     gpu, seed, ppo = use_gpu(), ctx.pipeline.seed, cfg.algorithm == "ppo"
     ctx.ray()
     _check_cluster(cfg)
+    lora_ref = cfg.policy.lora is not None  # the reference is the LoRA policy with its adapter off
+    critic_note = f", critic x{cfg.critic.num_ranks}{describe(cfg.critic.lora)}" if ppo else ""
+    ref_note = "reference: the policy without its adapter" if lora_ref else f"reference x{cfg.reference.num_ranks}"
     ctx.progress(f"starting {cfg.rollout.num_engines} vLLM engines and the roles (policy x{cfg.policy.num_ranks}"
-                 f"{f', critic x{cfg.critic.num_ranks}' if ppo else ''}, reference x{cfg.reference.num_ranks}"
+                 f"{describe(cfg.policy.lora)}{critic_note}, {ref_note}"
                  f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''})")
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.sampling.max_new_tokens
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
                       storage=ctx.storage)
     try:
-        roles = [("policy", cfg.policy, "causal", sft, True), ("reference", cfg.reference, "causal", sft, False)]
+        roles = [("policy", cfg.policy, "causal", sft, True)]
+        roles += [] if lora_ref else [("reference", cfg.reference, "causal", sft, False)]
         roles += [("critic", cfg.critic, "value", rm_dir, True)] if ppo else []
         roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
         pending = {}
@@ -253,6 +260,12 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     ray.get(s.role("policy").run("save_hf", str(out)))
     ctx.storage.pull_path(out)  # with an object store: rank 0 may have written it on another node
     s.tok.save_pretrained(out)
+    if cfg.policy.lora:  # the adapter too, on the SFT model as its base: served as base + adapter
+        from stages.common.lora import ADAPTER_DIR
+
+        ray.get(s.role("policy").run("save_adapter", str(ctx.out_dir / ADAPTER_DIR)))
+        ctx.storage.pull_path(ctx.out_dir / ADAPTER_DIR)
+        s.tok.save_pretrained(ctx.out_dir / ADAPTER_DIR)
     final = dict(metrics)
     if trend["reward"]:  # the run's learning curve in two numbers (over every iteration, resumed ones too)
         final.update(reward_slope=slope(trend["reward"]), kl_max=max(trend["kl"]))
@@ -288,6 +301,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     s = _start(cfg, ctx)
     try:
         policy, critic, ref, reward, pool, tok = (*(s.role(k) for k in ROLES), s.pool, s.tok)
+        # A LoRA policy is its own reference (adapter off); otherwise the reference role's ranks.
+        ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
         before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule) if s.eval_rows else None
         kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
         start, trend = _resume(s, ctx, kl_ctl)
@@ -325,7 +340,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             batch = rl.make_batch([r["prompt_ids"] for r in rows], responses, pad)
             shards = shard_batch(batch, len(policy))
             # 4. log-probs of the reference and the current (old) policy, values of the critic
-            ref_lp = torch.cat(ray.get(ref.run_each("logprobs", shard_batch(batch, len(ref)), micro=micro)))
+            ref_lp = torch.cat(ray.get(ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=micro)))
             old_lp = torch.cat(ray.get(policy.run_each("logprobs", shards, micro=micro)))
             mask, score_t = batch["response_mask"], torch.tensor(scores)
             kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
-from stages.common.deepspeed import DeepSpeedSection
+from stages.common.deepspeed import DeepSpeedSection, LoraSection, zero3_problem
 
 GROUPED = ("grpo", "rloo", "dr_grpo")  # baselines from the other samples of the same prompt
 
@@ -25,6 +25,16 @@ class TrainedRole(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed ZeRO settings.")
+    lora: LoraSection | None = Field(None, description="Train LoRA adapters instead of every weight (empty: full "
+                                     "fine-tuning). On the policy, the reference becomes the same model with its "
+                                     "adapter switched off (no reference ranks are started).")
+
+    @model_validator(mode="after")
+    def _lora_fits_zero(self) -> "TrainedRole":
+        problem = zero3_problem(self.lora, self.deepspeed.zero_stage, "lora")
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class FrozenRole(Section):
@@ -159,7 +169,7 @@ class PPOConfig(Section):
 
     def cpus_needed(self) -> float:
         """Logical CPUs the stage reserves at once (every rank and engine holds one bundle)."""
-        ranks = self.policy.num_ranks + self.reference.num_ranks
+        ranks = self.policy.num_ranks + (0 if self.policy.lora else self.reference.num_ranks)
         ranks += self.critic.num_ranks if self.algorithm == "ppo" else 0
         ranks += self.reward.num_ranks if self.rewards.model_weight else 0
         return ranks + self.rollout.num_engines * self.rollout.cpus_per_engine

@@ -8,12 +8,14 @@ wrapped without one, so ZeRO-3 still shards them), and answers:
     setup(spec)              load the role's model from an HF directory
     generate(...)            policy ranks: send their prompt share to rollout engines
     logprobs(batch)          policy / reference: log p of each response token
+    ref_logprobs(batch)      LoRA policy: the same with its adapter off (the reference, no second copy)
     values(batch)            critic: V(s) before each response token
     scores(pairs)            reward model: one scalar per (prompt, response)
     train_policy / train_critic   PPO epochs over this rank's share of the rollouts
     export_weights()         full weights into the object store once (rank 0 returns the ref)
     save / load              DeepSpeed checkpoints (optimizer included) for resuming
-    save_hf(dir)             the trained policy as an HF directory
+    save_hf(dir)             the trained policy as an HF directory (a LoRA policy merged)
+    save_adapter(dir)        a LoRA policy's adapter alone
 
 Batches are dicts of tensors built by the driver (`stages.ppo.make_batch`): prompts left-padded
 to one width `P`, responses right-padded, so every response token t sits at column P + t and its
@@ -52,8 +54,9 @@ class PPOWorker(Workhorse):
     # --------------------------------------------------------------- set-up
 
     def setup(self, spec: dict) -> int:
-        """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed, and
-        storage (the run's `RunStorage`: where to pull the model from and push checkpoints to)."""
+        """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed,
+        lora (a `LoraSection` dict, or None: full fine-tuning), and storage (the run's `RunStorage`: where to
+        pull the model from and push checkpoints to)."""
         from stages.common.deepspeed import isolate_jit_builds, safe_checkpoint_loads
 
         isolate_jit_builds()
@@ -61,6 +64,7 @@ class PPOWorker(Workhorse):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+        from stages.common import lora
         from stages.common.models import SAFE_LOAD, count_parameters, load_tokenizer
 
         torch.manual_seed(spec["seed"] + self.rank)
@@ -78,11 +82,14 @@ class PPOWorker(Workhorse):
                 torch.nn.init.zeros_(model.score.weight)
         if spec.get("activation_checkpointing"):
             model.gradient_checkpointing_enable()
+        if spec.get("lora"):  # after zero_head: the trained copy of the score head starts from the zeros
+            model = lora.wrap(model, lora.LoraSection.model_validate(spec["lora"]),
+                              "causal" if self.kind == "causal" else "sequence", spec.get("activation_checkpointing"))
         if self.kind == "reward":
             self.tokenizer = load_tokenizer(spec["model_dir"])
         if spec["trainable"]:
-            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                   config=spec["ds_config"])
+            trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec["ds_config"])
         else:
             model.requires_grad_(False)
             self.engine, *_ = deepspeed.initialize(model=model, config=spec["ds_config"])
@@ -124,7 +131,9 @@ class PPOWorker(Workhorse):
     def _values(self, batch: dict):
         # A sequence classifier pools its score head at the last token; the critic needs it at
         # every position, so run the backbone and apply the head to all hidden states.
-        module = self.engine.module
+        from stages.common.lora import base_of
+
+        module = base_of(self.engine.module)  # a LoRA critic: the backbone with its adapter, the trained head
         hidden = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               position_ids=batch["position_ids"]).last_hidden_state
         return _response_slice(batch, module.score(hidden)).squeeze(-1).float()
@@ -136,6 +145,11 @@ class PPOWorker(Workhorse):
         with torch.no_grad():
             return torch.cat([self._logprobs(b) for b in _chunks(batch, micro)])
 
+    def ref_logprobs(self, batch: dict, micro: int):
+        """The reference's log-probs on a LoRA policy: the SFT policy is this model with its adapter off."""
+        with self.engine.module.disable_adapter():
+            return self.logprobs(batch, micro)
+
     def values(self, batch: dict, micro: int):
         import torch
 
@@ -144,7 +158,7 @@ class PPOWorker(Workhorse):
 
     def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[float]:
         """Reward-model score of each (prompt, response), formatted as in its training data."""
-        from stages.common.models import reward_scores
+        from stages.common.training import reward_scores
 
         return reward_scores(self.engine, self.tokenizer, pairs, micro)
 
@@ -203,6 +217,7 @@ class PPOWorker(Workhorse):
         import deepspeed
         import ray
 
+        from stages.common.lora import merged_state_dict
         from stages.ppo.rollout import nbytes, weights_to_numpy
 
         params = list(self.engine.module.parameters())
@@ -210,26 +225,38 @@ class PPOWorker(Workhorse):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
             if self.rank != 0:
                 return None
-            weights = weights_to_numpy(self.engine.module.state_dict())
+            weights = weights_to_numpy(merged_state_dict(self.engine.module))  # LoRA: merged, base untouched
             return [ray.put(weights), nbytes(weights)]
 
     def save(self, directory: str) -> None:
         import deepspeed.comm as dist
 
-        self.engine.save_checkpoint(directory, tag="ds", exclude_frozen_parameters=False)
+        from stages.common.training import save_checkpoint
+
+        save_checkpoint(self.engine, Path(directory), self.rank)  # with LoRA: the adapter, no base weights
         dist.barrier()  # every rank's files are complete before any rank uploads what it sees
         self.storage.push_path(directory)  # with an object store: the ranks' shards meet in the bucket
 
     def load(self, directory: str) -> None:
         self.storage.pull_path(directory)  # with an object store: the shards other nodes wrote
-        self.engine.load_checkpoint(directory, tag="ds", load_optimizer_states=True, load_lr_scheduler_states=True)
+        from stages.common.training import load_checkpoint
+
+        load_checkpoint(self.engine, Path(directory))
 
     def save_hf(self, directory: str) -> None:
         from stages.common.training import save_hf
 
-        save_hf(self.engine, Path(directory), self.rank)
+        save_hf(self.engine, Path(directory), self.rank)  # a LoRA policy merged
         if self.rank == 0:
             self.storage.push_path(directory)  # the driver, maybe on another node, pulls it from the bucket
+
+    def save_adapter(self, directory: str) -> None:
+        """A LoRA policy's adapter alone (safetensors), for serving it on the SFT model."""
+        from stages.common.lora import save_adapter
+
+        if self.rank == 0:
+            save_adapter(self.engine.module, Path(directory))
+            self.storage.push_path(directory)
 
 
 def _chunks(batch: dict, size: int):

@@ -1,0 +1,148 @@
+"""LoRA adapters (PEFT) for every training role: sft, reward, and PPO's policy and critic.
+
+A role with a `lora:` section trains low-rank adapters on its linear layers instead of every
+weight; a sequence classifier (reward model, critic) also trains its score head in full (PEFT's
+`modules_to_save`: a one-output head has no low-rank form worth having). What each stage does with
+the adapter:
+
+- sft / reward: checkpoints hold the adapter only (PEFT's safetensors, `adapter/`) and DeepSpeed's
+  optimizer state, never a copy of the base; when the stage ends the adapter is merged into its base
+  (`merge_into`), so downstream stages, the registry and serving get an ordinary HF model. The
+  adapter is kept beside it (`<stage output>/adapter`) for base + adapter serving.
+- ppo policy: the reference is the same model with the adapter switched off (`disable_adapter`):
+  the SFT policy without a second copy of its weights. The rollout engines get the *merged*
+  weights after each update through the zero-copy sync (`merged_state_dict`): see
+  docs/architecture.md for why not a vLLM LoRA adapter.
+
+Why PEFT rather than our own low-rank layers: it is what users' checkpoints and vLLM / Ray Serve
+LLM's LoRA loading read, and its `all-linear` targeting knows each architecture's output layer.
+ZeRO-3 is refused with LoRA: merging and the reference's disabled adapter read whole weights,
+and with a frozen base ZeRO-2 already shards everything that grows (optimizer state, gradients).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from stages.common.deepspeed import LoraSection, describe, zero3_problem  # noqa: F401  (the typed config)
+
+ADAPTER_DIR = "adapter"  # where a checkpoint or a stage output keeps the adapter
+SAFE_ADAPTER = "adapter_model.safetensors"
+PICKLED_ADAPTERS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+
+# --------------------------------------------------------------------------- wrapping
+
+
+def wrap(model, lora: LoraSection, kind: str, activation_checkpointing: bool = False):
+    """`model` with LoRA adapters (a PEFT model); `kind` 'causal' or 'sequence' (a one-output classifier,
+    whose score head trains in full)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if activation_checkpointing:
+        model.enable_input_require_grads()  # a frozen embedding would otherwise cut the recomputed graph
+    task = TaskType.CAUSAL_LM if kind == "causal" else TaskType.SEQ_CLS
+    return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                            target_modules=lora.target_modules, task_type=task))
+
+
+def is_peft(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def base_of(model):
+    """The HF model under a PEFT wrapper (with its adapters injected), or `model` itself."""
+    return model.get_base_model() if is_peft(model) else model
+
+
+def merged_state_dict(model) -> dict:
+    """Full weights under HF names with the active adapter merged in, without changing `model`.
+
+    Each adapted layer's weight is `base + delta` (PEFT's own `get_delta_weight`); a trained score
+    head's copy replaces the original. Merging in place and unmerging after would leave `base`
+    off by rounding at every sync, drifting over a run: this reads, it never writes. A plain
+    (non-PEFT) model returns its own state dict."""
+    if not is_peft(model):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not module.disable_adapters and module.active_adapters:
+            deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters)
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key or ".original_module." in key:
+            continue
+        name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key.replace(".base_layer.", "."))
+        out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
+    return out
+
+
+# --------------------------------------------------------------------------- adapter files
+
+
+def save_adapter(model, directory: Path) -> None:
+    """The adapter (and a trained score head) as safetensors, with PEFT's adapter_config.json."""
+    model.save_pretrained(str(directory), safe_serialization=True)
+
+
+def adapter_problem(directory: Path) -> str | None:
+    """Why `directory` is not an adapter we load (None if it is): safetensors only."""
+    if not (directory / "adapter_config.json").is_file():
+        return f"{directory} has no adapter_config.json: not a PEFT adapter directory"
+    if not (directory / SAFE_ADAPTER).is_file():
+        pickled = [n for n in PICKLED_ADAPTERS if (directory / n).is_file()]
+        if pickled:
+            return (f"{directory} holds its adapter as {pickled[0]}, a pickle file, which can run code when loaded; "
+                    f"only {SAFE_ADAPTER} is read. Convert it once with PEFT: "
+                    "PeftModel.from_pretrained(base, dir).save_pretrained(dir, safe_serialization=True)")
+        return f"{directory} has no {SAFE_ADAPTER}"
+    return None
+
+
+def load_adapter(model, directory: Path) -> None:
+    """Load a saved adapter's weights into a PEFT model of the same shape (resuming)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    problem = adapter_problem(directory)
+    if problem:
+        raise ValueError(problem)
+    set_peft_model_state_dict(model, load_file(str(directory / SAFE_ADAPTER)))
+
+
+def load_model(model_dir: str | Path, kind: str, pad_id: int | None = None):
+    """An HF model from a local directory as `kind` ('causal', or 'sequence': one-output classifier)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from stages.common.models import SAFE_LOAD
+
+    if kind == "causal":
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **SAFE_LOAD)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
+                                                               **SAFE_LOAD)
+    if pad_id is not None:
+        model.config.pad_token_id = pad_id  # the classifier reads the last non-pad token
+    return model
+
+
+def merge_into(base_dir: str | Path, adapter_dir: Path, kind: str, out: Path, pad_id: int | None = None) -> Path:
+    """Base + adapter merged into one ordinary HF model at `out` (safetensors)."""
+    from peft import PeftModel
+
+    problem = adapter_problem(adapter_dir)
+    if problem:
+        raise ValueError(problem)
+    model = PeftModel.from_pretrained(load_model(base_dir, kind, pad_id), str(adapter_dir), is_trainable=False)
+    model.merge_and_unload().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def trainable_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,125 @@
+"""LoRA's pure parts (stages/common/lora.py): merged weights, adapter files, the reference, config."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import smoke_config
+from pipeline.errors import ConfigError
+from stages.common import lora
+
+
+def _tiny(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, num_labels=1)
+    return LlamaForCausalLM(cfg) if kind == "causal" else LlamaForSequenceClassification(cfg)
+
+
+def _trained(model, kind: str):
+    """`model` with LoRA adapters moved away from their zero start (as training would)."""
+    peft = lora.wrap(model, lora.LoraSection(r=4, alpha=8), kind)
+    with torch.no_grad():
+        for p in peft.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    return peft
+
+
+@pytest.mark.parametrize("kind", ["causal", "sequence"])
+def test_merged_weights_equal_peft_merge_and_leave_the_model_unchanged(kind):
+    model = _trained(_tiny(kind), kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = lora.merged_state_dict(model)
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert set(merged) == set(expected)  # HF names, no lora_* or wrapper keys
+    assert all(torch.equal(merged[k], expected[k]) for k in expected)
+    assert any(not torch.equal(merged[k], before[f"base_model.model.{k.replace('.weight', '.base_layer.weight')}"])
+               for k in merged if "q_proj" in k)  # the adapter changed the weights it adapts
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # read, not merged in place
+    if kind == "sequence":  # the trained copy of the score head, not the original
+        assert torch.equal(merged["score.weight"], model.base_model.model.score.modules_to_save["default"].weight)
+
+
+@pytest.mark.parametrize("kind", ["causal", "sequence"])
+def test_a_saved_adapter_merges_into_its_base_as_the_trained_model(tmp_path, kind):
+    model = _tiny(kind)
+    model.save_pretrained(tmp_path / "base")
+    peft = _trained(model, kind)
+    lora.save_adapter(peft, tmp_path / "adapter")
+    assert (tmp_path / "adapter" / lora.SAFE_ADAPTER).is_file()
+    files = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert not files & {"model.safetensors", *lora.PICKLED_ADAPTERS}  # the adapter only, as safetensors
+    out = lora.merge_into(tmp_path / "base", tmp_path / "adapter", kind, tmp_path / "merged", pad_id=0)
+    x = torch.randint(1, 300, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(lora.load_model(out, kind)(input_ids=x).logits, peft(input_ids=x).logits,
+                                   rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(lora.load_model(tmp_path / "base", kind)(input_ids=x).logits,
+                                  peft(input_ids=x).logits)
+
+
+def test_the_policy_with_its_adapter_off_is_the_model_it_started_from():
+    """PPO's LoRA reference: the SFT policy, from the policy's own weights (no second copy)."""
+    sft = _tiny("causal")
+    x = torch.randint(1, 300, (2, 9))
+    with torch.no_grad():
+        expected = sft(input_ids=x).logits.clone()
+        policy = _trained(sft, "causal")
+        assert not torch.allclose(policy(input_ids=x).logits, expected)
+        with policy.disable_adapter():
+            assert torch.equal(policy(input_ids=x).logits, expected)
+
+
+def test_a_pickled_adapter_is_refused_naming_the_file(tmp_path):
+    peft = _trained(_tiny("causal"), "causal")
+    lora.save_adapter(peft, tmp_path)
+    (tmp_path / lora.SAFE_ADAPTER).rename(tmp_path / "adapter_model.bin")
+    with pytest.raises(ValueError, match="adapter_model.bin, a pickle file"):
+        lora.load_adapter(peft, tmp_path)
+    with pytest.raises(ValueError, match="adapter_model.bin"):
+        lora.merge_into(tmp_path, tmp_path, "causal", tmp_path / "out")
+
+
+def test_a_checkpoint_adapter_loads_back_into_a_fresh_wrap(tmp_path):
+    trained = _trained(_tiny("causal"), "causal")
+    lora.save_adapter(trained, tmp_path)
+    fresh = lora.wrap(_tiny("causal"), lora.LoraSection(r=4, alpha=8), "causal")
+    lora.load_adapter(fresh, tmp_path)
+    x = torch.randint(1, 300, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=x).logits, trained(input_ids=x).logits)
+
+
+def test_lora_config_in_every_training_role(tmp_path):
+    cfg = smoke_config(tmp_path, "stages.sft.lora.r=8", "stages.reward.lora.target_modules=[q_proj,v_proj]",
+                       "stages.ppo.policy.lora.alpha=16", "stages.ppo.critic.lora.dropout=0.1")
+    assert cfg.stages.sft.lora.r == 8 and cfg.stages.sft.lora.target_modules == "all-linear"
+    assert cfg.stages.reward.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.stages.ppo.policy.lora.alpha == 16 and cfg.stages.ppo.critic.lora.dropout == 0.1
+    # a LoRA policy is its own reference: the reference's ranks are not reserved
+    full = smoke_config(tmp_path)
+    assert full.stages.ppo.cpus_needed() - cfg.stages.ppo.cpus_needed() == full.stages.ppo.reference.num_ranks
+    assert full.stages.sft.lora is None
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("stages.sft.lora.r=0", "stages.sft.lora.r: input should be greater than or equal to 1"),
+    ("stages.reward.lora.target_modules=[]", "an empty list adapts nothing"),
+    ("stages.ppo.policy.lora.rank=8", "stages.ppo.policy.lora.rank: unknown key"),
+])
+def test_lora_mistakes_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, override)
+    assert expected in str(exc.value)
+
+
+def test_lora_with_zero3_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, "stages.sft.lora.r=8", "stages.sft.deepspeed.zero_stage=3")
+    assert "stages.sft" in str(exc.value) and "use zero_stage 2" in str(exc.value)
