@@ -102,3 +102,63 @@ def test_the_shipped_smollm2_gguf_becomes_a_checkpoint_that_answers_like_the_ori
     original = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     assert converted == greedy(original, AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name))
     assert "12" in converted
+
+
+@pytest.mark.slow
+def test_two_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(ray_local, tmp_path, tracking_uri):
+    """configs/real.yaml with LoRA: the GGUF converts, SFT trains an adapter for two steps, and a vLLM
+    engine started from the base answers exactly as the trainer's base + adapter once it gets the
+    merged weights (the sync PPO uses)."""
+    import ray
+    import torch
+    from peft import PeftModel
+    from rich.console import Console
+
+    from pipeline import artifacts
+    from pipeline.config import load_config
+    from pipeline.runner import run_pipeline
+    from stages.common import lora
+    from stages.common.models import load_tokenizer
+    from stages.ppo.rollout import EnginePool, EngineSpec, weights_to_numpy
+
+    real = Path(__file__).resolve().parent.parent / "configs" / "real.yaml"
+    cfg = load_config(real, [f"run_dir={tmp_path}", f"mlflow.tracking_uri={tracking_uri}", "stages.sft.lora.r=8",
+                             "stages.sft.lr=1e-3", "stages.sft.max_steps=2", "stages.sft.warmup_steps=1",
+                             "stages.sft.eval_every=2", "stages.sft.accuracy_prompts=0"])
+    summary = run_pipeline(cfg, real, Console(quiet=True), to="sft")
+
+    def output(stage: str, name: str) -> Path:
+        manifest = summary["stages"][stage]
+        return artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, stage, manifest["key"]))[name]
+
+    base, sft = output("model", "base_model"), output("sft", "sft_model")
+    adapter = sft.parent / lora.ADAPTER_DIR
+    assert lora.adapter_problem(adapter) is None
+    trainer = PeftModel.from_pretrained(lora.load_model(base, "causal"), str(adapter)).eval()
+    tok = load_tokenizer(base)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"] for q in ("What is 7 + 5?", "Add 23 and 19.")]
+    n = 12
+
+    def hf_greedy(model) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            with torch.no_grad():
+                for _ in range(n):
+                    ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            out.append(ids[0, len(p):].tolist())
+        return out
+
+    merged, original = lora.merged_state_dict(trainer), lora.load_model(base, "causal").state_dict()
+    assert any(not torch.equal(merged[k], original[k]) for k in merged if "q_proj" in k)  # two steps moved it
+    expected = hf_greedy(trainer)
+    assert expected == hf_greedy(lora.load_model(sft, "causal").eval())  # the exported model is base + adapter
+    pool = EnginePool(str(base), EngineSpec(max_model_len=256, seed=0), num_engines=1)
+    try:
+        pool.sync(ray.put(weights_to_numpy(merged)))
+        [got] = ray.get([e.generate.remote(prompts, {"temperature": 0.0, "max_tokens": n, "ignore_eos": True})
+                         for e in pool.engines])
+        assert [s[0]["ids"] for s in got] == expected
+    finally:
+        pool.shutdown()
