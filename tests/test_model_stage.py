@@ -105,8 +105,9 @@ def test_the_shipped_smollm2_gguf_becomes_a_checkpoint_that_answers_like_the_ori
 
 
 @pytest.mark.slow
-def test_two_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(ray_local, tmp_path, tracking_uri):
-    """configs/real.yaml with LoRA: the GGUF converts, SFT trains an adapter for two steps, and a vLLM
+def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(ray_local, tmp_path, tracking_uri):
+    """configs/real.yaml with LoRA: the GGUF converts, SFT trains an adapter for three steps (DeepSpeed's
+    warm-up schedule runs the first two at learning rate 0), and a vLLM
     engine started from the base answers exactly as the trainer's base + adapter once it gets the
     merged weights (the sync PPO uses)."""
     import ray
@@ -123,8 +124,8 @@ def test_two_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_train
 
     real = Path(__file__).resolve().parent.parent / "configs" / "real.yaml"
     cfg = load_config(real, [f"run_dir={tmp_path}", f"mlflow.tracking_uri={tracking_uri}", "stages.sft.lora.r=8",
-                             "stages.sft.lr=1e-3", "stages.sft.max_steps=2", "stages.sft.warmup_steps=1",
-                             "stages.sft.eval_every=2", "stages.sft.accuracy_prompts=0"])
+                             "stages.sft.lr=1e-3", "stages.sft.max_steps=3", "stages.sft.warmup_steps=1",
+                             "stages.sft.eval_every=3", "stages.sft.accuracy_prompts=0"])
     summary = run_pipeline(cfg, real, Console(quiet=True), to="sft")
 
     def output(stage: str, name: str) -> Path:
@@ -151,7 +152,7 @@ def test_two_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_train
         return out
 
     merged, original = lora.merged_state_dict(trainer), lora.load_model(base, "causal").state_dict()
-    assert any(not torch.equal(merged[k], original[k]) for k in merged if "q_proj" in k)  # two steps moved it
+    assert any(not torch.equal(merged[k], original[k]) for k in merged if "q_proj" in k)  # the steps moved it
     expected = hf_greedy(trainer)
     assert expected == hf_greedy(lora.load_model(sft, "causal").eval())  # the exported model is base + adapter
     pool = EnginePool(str(base), EngineSpec(max_model_len=256, seed=0), num_engines=1)
