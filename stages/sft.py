@@ -196,10 +196,13 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
     if prompts:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts")
-        metrics["base_accuracy"] = greedy_accuracy(base, prompts, cfg.max_new_tokens)
-        metrics["accuracy"] = greedy_accuracy(out, prompts, cfg.max_new_tokens)
+        metrics["base_accuracy"], metrics["base_truncated"] = greedy_accuracy(base, prompts, cfg.max_new_tokens)
+        metrics["accuracy"], metrics["truncated"] = greedy_accuracy(out, prompts, cfg.max_new_tokens)
         metrics["accuracy_prompts"] = len(prompts)
         ctx.progress(f"accuracy {metrics['base_accuracy']:.3f} (base) -> {metrics['accuracy']:.3f} (sft)")
+        if metrics["base_truncated"] or metrics["truncated"]:
+            ctx.progress(f"answers cut off at max_new_tokens={cfg.max_new_tokens} (scored as given): "
+                         f"{metrics['base_truncated']:.1%} (base), {metrics['truncated']:.1%} (sft)")
         warning = accuracy_warning(metrics["base_accuracy"], metrics["accuracy"], len(prompts), cfg.lr)
         if warning:
             ctx.progress(warning)

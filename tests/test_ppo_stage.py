@@ -65,7 +65,7 @@ def test_ppo_raises_the_reward(ppo_run, tracking_uri):
     assert last > first + 0.1, reward  # the mean share of digits rose by more than 0.1
     # every iteration logged the PPO diagnostics and the time split
     for key in ("kl", "policy_loss", "value_loss", "clip_frac", "entropy", "response_length", "generate_s",
-                "score_s", "train_s", "sync_s", "sync_mb", "gen_tokens_per_s"):
+                "score_s", "train_s", "sync_s", "sync_mb", "gen_tokens_per_s", "truncated_frac"):
         assert len(history(tracking_uri, run_id, key)) >= 20, key
 
 
@@ -105,7 +105,7 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     out = model.generate(torch.tensor([[1, 5, 6]]), max_new_tokens=3, min_new_tokens=3, do_sample=False)
     assert out.shape == (1, 6)
     m = manifest["metrics"]
-    for key in ("accuracy", "reward", "sampled_accuracy", "sampled_reward"):  # held-out, before and after
+    for key in ("accuracy", "reward", "sampled_accuracy", "sampled_reward", "truncated", "sampled_truncated"):
         assert {f"eval_{key}_before", f"eval_{key}", f"eval_{key}_sign_test_p"} <= m.keys(), key
     assert 0 < m["eval_prompts"] <= 16  # smoke.yaml's eval_prompts, capped by the eval split
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]

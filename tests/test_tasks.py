@@ -1,5 +1,7 @@
 """The arithmetic task: determinism, correct answers, wrong rejected answers, the verifier."""
 
+import pytest
+
 from stages.common import tasks
 from stages.common.tasks import TaskConfig, extract_answer, verify
 
@@ -54,6 +56,25 @@ def test_verifier():
     assert verify("so the answer is 1,024", "1024")
     assert not verify("12 + 30 = 43", "42")
     assert not verify("", "0")
+    assert not verify("12", "twelve")  # a reference that is not a number matches nothing, without an error
+
+
+@pytest.mark.parametrize("response, ok", [
+    ("7 + 5 = 12.", True),
+    ("The answer is 12", True),
+    ("12 (7 more than 5)", True),  # the last integer was 5
+    ("12.0", True),  # the last integer was 0
+    ("12. To get this, I added 7 and 5 together.", True),  # an answer followed by an explanation
+    ("To add 7 and 5, you simply add them together: 7 + 5 = 12. So 7 + 5 makes 12.", True),
+    ("The sum of 7 and 5 is 12.", True),
+    ("**Answer:** 12", True),
+    ("To add 7 and 5, you simply add them together: 7 + 5 =", False),  # truncated before the answer
+    ("To add 7 and 5, you", False),  # truncated before any number but the question's
+    ("7 + 5 = 13. The answer is 13", False),
+    ("12.5", False),
+])
+def test_the_verifier_reads_the_forms_chat_models_answer_in(response, ok):
+    assert verify(response, "12") is ok, extract_answer(response)
 
 
 def test_three_operands_show_each_step_and_prompts_are_distinct_problems():

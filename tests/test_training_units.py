@@ -242,3 +242,19 @@ def test_sft_warns_with_the_numbers_when_it_leaves_the_model_worse_than_it_start
     assert accuracy_warning(0.3, 0.3, 16, 5e-5) is None and accuracy_warning(0.3, 0.5, 16, 5e-5) is None
     warning = accuracy_warning(0.3, 0.0, 16, 3e-3)
     assert "from 0.300 to 0.000 on 16 prompts" in warning and "stages.sft.lr=0.003" in warning
+
+
+def test_greedy_accuracy_counts_answers_cut_off_by_the_length_limit(tmp_path, tokenizer):
+    """An answer stopped by max_new_tokens is scored as given and counted, not silently scored wrong."""
+    from stages.common import models
+
+    cfg = models.BuiltinModelConfig(vocab_size=320, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                    num_kv_heads=1)
+    models.build_model(cfg, tokenizer, seed=0).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    texts, cut = models.greedy_generate(tmp_path, [prompt, prompt], 4)
+    assert cut == [True, True] and all(texts)  # a random model never ends its turn within 4 tokens
+    accuracy, truncated = models.greedy_accuracy(tmp_path, [{"prompt_ids": prompt, "answer": "5"}] * 3, 4)
+    assert truncated == 1.0 and accuracy == 0.0

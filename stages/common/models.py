@@ -296,14 +296,15 @@ def count_parameters(model) -> int:
 
 
 def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
-                    batch_size: int = 32) -> list[str]:
-    """Greedy completions (new tokens only, special tokens dropped) for tokenized prompts."""
+                    batch_size: int = 32) -> tuple[list[str], list[bool]]:
+    """Greedy completions (new tokens only, special tokens dropped) for tokenized prompts, and whether
+    each was cut off by `max_new_tokens` (no end-of-turn token)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **SAFE_LOAD).eval()
-    texts = []
+    texts, cut = [], []
     for i in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[i : i + batch_size]
         width = max(len(p) for p in chunk)
@@ -315,13 +316,17 @@ def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        texts += tok.batch_decode(out[:, width:], skip_special_tokens=True)
-    return texts
+        new = out[:, width:]
+        texts += tok.batch_decode(new, skip_special_tokens=True)
+        cut += [bool(len(row) >= max_new_tokens and tok.eos_token_id not in row.tolist()) for row in new]
+    return texts, cut
 
 
-def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int) -> float:
-    """Share of prompt rows (`prompt_ids`, `answer`) whose greedy answer the task verifier accepts."""
+def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int) -> tuple[float, float]:
+    """(share of prompt rows (`prompt_ids`, `answer`) whose greedy answer the task verifier accepts,
+    share of answers cut off by `max_new_tokens`: scored as given, and reported)."""
     from stages.common.tasks import verify
 
-    texts = greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens)
-    return sum(verify(t, r["answer"]) for t, r in zip(texts, rows)) / max(len(rows), 1)
+    texts, cut = greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens)
+    n = max(len(rows), 1)
+    return sum(verify(t, r["answer"]) for t, r in zip(texts, rows)) / n, sum(cut) / n

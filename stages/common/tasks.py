@@ -146,16 +146,50 @@ def corpus(cfg: TaskConfig, seed: int, n: int = 2000) -> list[str]:
     return texts + ["system", "user", "assistant"] * 50
 
 
-_INT = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# Where a model states its result: "the answer is 12", "Answer: 12", "the sum is 12".
+_MARKER = re.compile(r"\b(?:answer|result|total|sum)\b\s*(?:is|was|would be|=|:)", re.IGNORECASE)
 
 
-def extract_answer(response: str) -> int | None:
-    """The last integer in a response (the task's answer convention), or None if there is none."""
-    found = _INT.findall(response.replace(",", ""))
-    return int(found[-1]) if found else None
+def _first_number(text: str) -> int | float | None:
+    """The first number in `text`; a decimal with an integer value as that integer ("12.0" -> 12)."""
+    m = _NUMBER.search(text)
+    if m is None:
+        return None
+    value = float(m.group())
+    return int(value) if value.is_integer() else value
+
+
+def extract_answer(response: str) -> int | float | None:
+    """The answer a response gives, in the forms models write it (thousands commas ignored):
+
+    1. after the last stated marker ("the answer is", "Answer:", "the sum is"), its first number;
+    2. else after the last "=", its first number: the worked form this task trains ("3 + 5 = 8"),
+       and "7 + 5 = 12 (7 more than 5)"; nothing after it is an answer cut off, so None;
+    3. else after the last "is", its first number ("The sum of 7 and 5 is 12.");
+    4. else the first number: an answer followed by its explanation ("12. I added 7 and 5").
+
+    Why not the last integer, as before: chat models explain after answering ("12 (7 more than 5)"
+    ended on 5) and write decimals ("12.0" ended on 0)."""
+    text = response.replace(",", "")
+    markers = list(_MARKER.finditer(text))
+    if markers:
+        return _first_number(text[markers[-1].end():])
+    if "=" in text:
+        return _first_number(text[text.rindex("=") + 1:])
+    stated = re.split(r"\bis\b", text, flags=re.IGNORECASE)
+    if len(stated) > 1:
+        found = _first_number(stated[-1])
+        if found is not None:
+            return found
+    return _first_number(text)
 
 
 def verify(response: str, answer: str) -> bool:
-    """True when the response's final integer equals the reference answer."""
+    """True when the answer the response gives (`extract_answer`) equals the reference answer."""
     got = extract_answer(response)
-    return got is not None and str(got) == str(answer).strip()
+    try:
+        expected = float(str(answer).strip().replace(",", ""))
+    except ValueError:  # a reference that is not a number (a user's dataset) matches nothing
+        return False
+    return got is not None and got == expected

@@ -272,11 +272,16 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     if before is not None:
         after = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
-        for key in before:
+        for key in (k for k in before if not k.endswith("truncated")):
             ctx.progress(f"held-out {key.replace('_', ' ')} ({len(s.eval_rows)} prompts): "
                          f"{final[f'eval_{key}_before']:.3f} -> {final[f'eval_{key}']:.3f} "
                          f"({final[f'eval_{key}_improved']} prompts up, {final[f'eval_{key}_worsened']} down, "
                          f"sign test p {final[f'eval_{key}_sign_test_p']:.2g})")
+        cut = {k: (final[f"eval_{k}_before"], final[f"eval_{k}"]) for k in ("truncated", "sampled_truncated") if k in before}
+        if any(v for pair in cut.values() for v in pair):
+            ctx.progress("held-out answers cut off at sampling.max_new_tokens="
+                         f"{cfg.sampling.max_new_tokens} (scored as given): " + ", ".join(
+                             f"{k.replace('_', ' ')} {b:.1%} -> {a:.1%}" for k, (b, a) in cut.items()))
     final["engine_restarts"] = s.pool.restarts
     return out, final
 
@@ -331,6 +336,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
                         "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
             generated = _generate(pool, policy, [r["prompt_ids"] for r in rows[::n]], sampling, ctx.progress)
             responses = [x["ids"] for group in generated for x in group]
+            truncated = sum(not x["finished"] for group in generated for x in group) / len(responses)
             rollout_lp = [x["logprobs"] for group in generated for x in group]
             t_gen = time.time() - t0
             # 3. score: reward model and/or rule reward
@@ -375,6 +381,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             metrics = {
                 "reward_mean": float(score_t.mean()), "rule_reward_mean": sum(rule_scores) / len(rule_scores),
                 "kl": seq_kl, "kl_coef": kl_ctl.value, "response_length": gen_tokens / len(rows),
+                "truncated_frac": truncated,  # responses cut off by sampling.max_new_tokens
                 **{k: v for k, v in stats.items()}, "generate_s": t_gen, "score_s": t_score, "train_s": t_train,
                 "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20,
                 "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9), "iteration_s": time.time() - t_iter,

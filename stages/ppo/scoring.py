@@ -45,7 +45,9 @@ def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule
 
 
 def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -> dict[str, list[float]]:
-    """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples.
+    """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
+    `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
+    as given: counted and reported, so a length limit that cuts answers short shows).
 
     The engines answer with their current weights; sampling uses a fixed seed, so the SFT policy
     (before) and the trained one (after) draw from the same random stream.
@@ -54,20 +56,23 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) ->
 
     from stages.ppo.groups import shard
 
-    def answers(sampling: dict, k: int) -> tuple[list[float], list[float]]:
+    def answers(sampling: dict, k: int) -> tuple[list[float], list[float], list[float]]:
         parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
         outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
-        texts = tok.batch_decode([s["ids"] for part in outs for group in part for s in group], skip_special_tokens=True)
+        flat = [s for part in outs for group in part for s in group]
+        texts = tok.batch_decode([s["ids"] for s in flat], skip_special_tokens=True)
         scores, correct = score(texts, [r for r in rows for _ in range(k)], reward_group, cfg, rule)
+        cut = [float(not s["finished"]) for s in flat]  # stopped by max_new_tokens, not by the model
         mean = lambda xs: [sum(xs[i * k:(i + 1) * k]) / k for i in range(len(rows))]  # noqa: E731
-        return mean(scores), mean(correct)
+        return mean(scores), mean(correct), mean(cut)
 
-    out = dict(zip(("reward", "accuracy"), answers({"temperature": 0.0, "max_tokens": cfg.sampling.max_new_tokens}, 1)))
+    greedy = {"temperature": 0.0, "max_tokens": cfg.sampling.max_new_tokens}
+    out = dict(zip(("reward", "accuracy", "truncated"), answers(greedy, 1)))
     if cfg.eval_samples:
         k = cfg.eval_samples
         sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                     "max_tokens": cfg.sampling.max_new_tokens, "seed": 12345}
-        out["sampled_reward"], out["sampled_accuracy"] = answers(sampling, k)
+        out["sampled_reward"], out["sampled_accuracy"], out["sampled_truncated"] = answers(sampling, k)
     return out
 
 
