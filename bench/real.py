@@ -14,6 +14,11 @@ LoRA saves against full fine-tuning.
    are the same in both.
 3. SFT training tokens/s (the mean of rank 0's per-step `tokens_per_s` in MLflow) of the LoRA run
    against a full fine-tuning SFT of the same steps and data in the full-fine-tuning directory.
+4. GRPO (`stages.ppo.algorithm=grpo`, everything else as configured) from the same SFT model, in a
+   directory of its own (a copy of the LoRA run's upstream artifacts): its held-out sampled
+   accuracy before and after, with the paired sign test, and the ppo stage's wall time.
+
+The JSON is rewritten after each part, so an interrupted bench keeps what it measured.
 
     .venv/bin/python bench/real.py --seed 0 --run-dir runs/bench-real --json bench/real.json
 
@@ -131,36 +136,57 @@ def main() -> None:
     run_dir = args.run_dir.absolute()
     full_dir = run_dir.with_name(run_dir.name + "-full")
 
+    def write(figures: dict) -> None:
+        text = json.dumps(figures, indent=2)
+        print(text, flush=True)
+        if args.json:
+            args.json.write_text(text + "\n")
+
     # 1. The LoRA pipeline, every stage.
     summary, wall, _ = pipeline(run_dir, args.seed)
     sft, ppo, serve = metrics(summary, "sft"), metrics(summary, "ppo"), metrics(summary, "serve")
-    # 2. Peak memory of a short ppo stage, LoRA then full fine-tuning (its own directory, same upstream).
-    _, _, pss_lora = pipeline(run_dir, args.seed, "--only", "ppo", *SHORT_PPO, sample_memory=True)
-    shutil.rmtree(full_dir, ignore_errors=True)
-    shutil.copytree(run_dir / "artifacts", full_dir / "artifacts")
-    _, _, pss_full = pipeline(full_dir, args.seed, "--only", "ppo", *SHORT_PPO, *FULL_PPO, sample_memory=True)
-    # 3. SFT tokens/s: the LoRA run's against full fine-tuning on the same steps and data.
-    full_sft, _, _ = pipeline(full_dir, args.seed, "--only", "sft", "stages.sft.lora=null")
     figures = {
         "seed": args.seed, "eval_prompts": ppo.get("eval_prompts"), "sft_accuracy_prompts": sft.get("accuracy_prompts"),
         "base_greedy": sft.get("base_accuracy"), "sft_greedy": sft.get("accuracy"),
-        "sampled_before": ppo.get("eval_sampled_accuracy_before"), "sampled_after": ppo.get("eval_sampled_accuracy"),
-        "sampled_up": ppo.get("eval_sampled_accuracy_improved"), "sampled_down": ppo.get("eval_sampled_accuracy_worsened"),
-        "sampled_p": ppo.get("eval_sampled_accuracy_sign_test_p"),
-        "greedy_before": ppo.get("eval_accuracy_before"), "greedy_after": ppo.get("eval_accuracy"),
+        **sampled(ppo), "greedy_before": ppo.get("eval_accuracy_before"), "greedy_after": ppo.get("eval_accuracy"),
         "greedy_p": ppo.get("eval_accuracy_sign_test_p"),
         "wall_s": round(wall, 1),
         "stage_s": {s["name"]: s["duration_s"] for s in summary["stages"]},
-        "ppo_peak_rss_gb_lora": round(pss_lora, 2), "ppo_peak_rss_gb_full": round(pss_full, 2),
         "train_tokens_per_s_lora": round(mean_metric(summary, "sft", "tokens_per_s"), 1),
-        "train_tokens_per_s_full": round(mean_metric(full_sft, "sft", "tokens_per_s"), 1),
         "serve": {k: v for k, v in serve.items() if isinstance(v, (int, float))},
         "run_dir": str(run_dir),
     }
-    text = json.dumps(figures, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write(figures)
+    # 2. Peak memory of a short ppo stage, LoRA then full fine-tuning (its own directory, same upstream).
+    _, _, pss_lora = pipeline(run_dir, args.seed, "--only", "ppo", *SHORT_PPO, sample_memory=True)
+    copy_upstream(run_dir, full_dir)
+    _, _, pss_full = pipeline(full_dir, args.seed, "--only", "ppo", *SHORT_PPO, *FULL_PPO, sample_memory=True)
+    figures.update(ppo_peak_rss_gb_lora=round(pss_lora, 2), ppo_peak_rss_gb_full=round(pss_full, 2))
+    write(figures)
+    # 3. SFT tokens/s: the LoRA run's against full fine-tuning on the same steps and data.
+    full_sft, _, _ = pipeline(full_dir, args.seed, "--only", "sft", "stages.sft.lora=null")
+    figures["train_tokens_per_s_full"] = round(mean_metric(full_sft, "sft", "tokens_per_s"), 1)
+    write(figures)
+    # 4. GRPO from the same SFT model and reward model.
+    grpo_dir = run_dir.with_name(run_dir.name + "-grpo")
+    copy_upstream(run_dir, grpo_dir)
+    grpo, grpo_wall, _ = pipeline(grpo_dir, args.seed, "--only", "ppo", "stages.ppo.algorithm=grpo")
+    figures["grpo"] = {**sampled(metrics(grpo, "ppo")), "ppo_s": round(grpo_wall, 1)}
+    write(figures)
+
+
+def sampled(ppo: dict) -> dict:
+    """PPO's (or GRPO's) held-out sampled accuracy before and after, with the sign test's split and p."""
+    return {"sampled_before": ppo.get("eval_sampled_accuracy_before"), "sampled_after": ppo.get("eval_sampled_accuracy"),
+            "sampled_up": ppo.get("eval_sampled_accuracy_improved"),
+            "sampled_down": ppo.get("eval_sampled_accuracy_worsened"),
+            "sampled_p": ppo.get("eval_sampled_accuracy_sign_test_p")}
+
+
+def copy_upstream(run_dir: Path, other: Path) -> None:
+    """A fresh directory holding the LoRA run's artifacts: its upstream stages are cache hits there."""
+    shutil.rmtree(other, ignore_errors=True)
+    shutil.copytree(run_dir / "artifacts", other / "artifacts")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from pipeline.errors import ConfigError, UserError
          "mini_batch_size (4) must divide prompts_per_iteration x sampling.n (5 x 3 = 15)"),
         (["stages.ppo.policy.num_ranks=3"], "must be a multiple of micro_batch_size x policy.num_ranks"),
         (["stages.ppo.rollout.num_engines=12", "ray.num_cpus=8"], "stages.ppo.rollout.num_engines: the roles and 12 engines need"),
+        (["stages.ppo.reward.cpus_per_rank=5", "stages.ppo.rewards.model_weight=0.5", "ray.num_cpus=8"],
+         "need 11 logical CPUs but the local Ray has 8"),
         (["stages.ppo.kl.estimator=k4"], "stages.ppo.kl.estimator: input should be 'k1', 'k2' or 'k3'"),
         (["stages.ppo.rewards.rule=nonsense"], "stages.ppo.rewards.rule: must be 'verifier' or 'module:function'"),
         (["stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0"], "nothing would reward the policy"),
@@ -32,6 +34,53 @@ def test_bad_ppo_settings_name_the_key(tmp_path, overrides, expected):
 def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tmp_path):
     cfg = smoke_config(tmp_path, "stages.ppo.rollout.num_engines=12", "ray.num_cpus=8", "ray.address=auto")
     assert cfg.stages.ppo.rollout.num_engines == 12  # checked against the cluster's resources at run time
+
+
+def _threads_worker():
+    from stages.ppo.groups import Workhorse
+
+    class Threads(Workhorse):
+        """A rank that reports how many torch threads it computes with."""
+
+        def threads(self) -> int:
+            import torch
+
+            return torch.get_num_threads()
+
+    return Threads
+
+
+def test_a_rank_reserves_its_cpus_per_rank_and_computes_with_that_many_threads(tmp_path, ray_local):
+    from stages.ppo.groups import ModelGroup
+
+    cfg = smoke_config(tmp_path, "stages.ppo.reward.cpus_per_rank=2", "stages.ppo.rewards.model_weight=0.5")
+    one = smoke_config(tmp_path, "stages.ppo.rewards.model_weight=0.5")
+    assert cfg.stages.ppo.cpus_needed() - one.stages.ppo.cpus_needed() == 1
+    group = ModelGroup("threads", _threads_worker(), num_ranks=1, cpus_per_rank=3, gpu=False)
+    try:
+        assert group.get("threads") == [3]  # not the node's 2 cores, not Ray's default of 1
+    finally:
+        group.shutdown()
+
+
+def test_a_role_is_placed_with_its_cpus_per_rank(tmp_path, monkeypatch):
+    import stages.ppo.groups as groups
+    from stages.ppo import _start_role
+
+    placed = {}
+
+    class Recorder:
+        def __init__(self, name, actor_cls, num_ranks, cpus_per_rank, gpu, *args, **kwargs):
+            placed[name] = (num_ranks, cpus_per_rank)
+
+        def run(self, *args, **kwargs):
+            return []
+
+    monkeypatch.setattr(groups, "ModelGroup", Recorder)
+    cfg = smoke_config(tmp_path, "stages.ppo.reward.cpus_per_rank=2").stages.ppo
+    _start_role("reward", cfg.reward, "reward", tmp_path, cfg, False, False, 0, 0, None)
+    _start_role("policy", cfg.policy, "causal", tmp_path, cfg, True, False, 0, 0, None)
+    assert placed == {"reward": (1, 2), "policy": (cfg.policy.num_ranks, 1)}
 
 
 def test_make_batch_aligns_every_response_at_one_column():

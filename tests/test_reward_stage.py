@@ -41,8 +41,13 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracki
                                                                   manifest["key"]))["reward_model"]
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1
-    scores = reward_scores(model, load_tokenizer(out), [("What is 2 + 3?", "2 + 3 = 5"), ("What is 2 + 3?", "no")], 2)
-    assert len(scores) == 2 and all(torch.isfinite(torch.tensor(scores)))
+    tok = load_tokenizer(out)
+    pairs = [("What is 2 + 3?", "2 + 3 = 5"), ("What is 2 + 3?", "no"), ("What is 12 + 31?", "12 + 31 = 43, since 2 + 1 = 3"),
+             ("What is 4 + 4?", "8")]
+    scores = reward_scores(model, tok, pairs, 2)  # scored in length order, returned in the callers' order
+    assert len(scores) == 4 and all(torch.isfinite(torch.tensor(scores)))
+    alone = [reward_scores(model, tok, [p], 1)[0] for p in pairs]
+    assert torch.allclose(torch.tensor(scores), torch.tensor(alone), atol=1e-4), (scores, alone)
 
 
 @pytest.mark.slow

@@ -108,3 +108,23 @@ def test_interrupted_sft_resumes_from_its_checkpoint(smoke_trained, smoke_upstre
     resumed = weights(model_dir)
     for name in reference:
         np.testing.assert_allclose(resumed[name], reference[name], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trained):
+    """`accuracy_engine: vllm`: the engines' greedy answers (and which ones were cut off) are HF's,
+    for the base and the tuned model alike, so the switch changes the speed, not the figure."""
+    from stages.common.models import greedy_generate
+    from stages.common.parquet import read_rows
+    from stages.sft import engine_greedy
+
+    def output(stage, name):
+        manifest = smoke_trained.summary["stages"][stage]
+        return artifacts.output_paths(manifest, artifacts.artifact_dir(smoke_trained.run_dir, stage, manifest["key"]))[name]
+
+    models = [output("model", "base_model"), output("sft", "sft_model")]
+    prompts = [r["prompt_ids"] for r in read_rows(output("data", "prompt_data") / "eval", 16)]
+    engine = engine_greedy(models, prompts, 12, seed=0)
+    hf = [greedy_generate(m, prompts, 12) for m in models]
+    assert engine == hf
+    assert engine[0][0] != engine[1][0]  # two models, two sets of answers: each engine held its own

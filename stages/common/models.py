@@ -324,9 +324,13 @@ def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_
 
 def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int) -> tuple[float, float]:
     """(share of prompt rows (`prompt_ids`, `answer`) whose greedy answer the task verifier accepts,
-    share of answers cut off by `max_new_tokens`: scored as given, and reported)."""
+    share of answers cut off by `max_new_tokens`: scored as given, and reported), from HF `generate`."""
+    return verified_share(*greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens), rows)
+
+
+def verified_share(texts: list[str], cut: list[bool], rows: list[dict]) -> tuple[float, float]:
+    """(share of answers the task verifier accepts for their rows' `answer`, share cut off)."""
     from stages.common.tasks import verify
 
-    texts, cut = greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens)
     n = max(len(rows), 1)
     return sum(verify(t, r["answer"]) for t, r in zip(texts, rows)) / n, sum(cut) / n

@@ -116,7 +116,7 @@ def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, tra
     ds_config = engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16, cfg.mini_batch_size,
                               role.lr, role.weight_decay, role.grad_clip) if trainable \
         else engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16)  # no optimizer
-    group = ModelGroup(name, PPOWorker, role.num_ranks, 1, gpu, cfg.placement_strategy, env=device_env(gpu))
+    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu, cfg.placement_strategy, env=device_env(gpu))
     spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
             "seed": seed, "storage": run_storage, "activation_checkpointing": role.deepspeed.activation_checkpointing,
             "zero_head": kind == "value" and cfg.critic_zero_init, "ds_config": ds_config,

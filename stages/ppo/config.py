@@ -21,6 +21,7 @@ class TrainedRole(Section):
     """A trainable role (policy, critic): its ranks, optimizer and DeepSpeed settings."""
 
     num_ranks: int = Field(1, ge=1, description="Data-parallel ranks (Ray actors, one process group).")
+    cpus_per_rank: int = Field(1, ge=1, description="Logical CPUs each rank reserves; on CPU also its torch threads.")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping.")
@@ -41,6 +42,9 @@ class FrozenRole(Section):
     """A frozen role (reference, reward model): its ranks and DeepSpeed settings (ZeRO-3 shards it)."""
 
     num_ranks: int = Field(1, ge=1, description="Ranks (Ray actors) holding the model.")
+    cpus_per_rank: int = Field(1, ge=1, description="Logical CPUs each rank reserves; on CPU also its torch threads. "
+                               "A role that computes while the others wait (the reward model scores rollouts and "
+                               "held-out answers alone) runs faster with the cores they leave idle.")
     deepspeed: DeepSpeedSection = Field(default_factory=lambda: DeepSpeedSection(zero_stage=0),
                                         description="DeepSpeed settings (zero_stage 3 shards the frozen weights).")
 
@@ -168,8 +172,8 @@ class PPOConfig(Section):
         return self
 
     def cpus_needed(self) -> float:
-        """Logical CPUs the stage reserves at once (every rank and engine holds one bundle)."""
-        ranks = self.policy.num_ranks + (0 if self.policy.lora else self.reference.num_ranks)
-        ranks += self.critic.num_ranks if self.algorithm == "ppo" else 0
-        ranks += self.reward.num_ranks if self.rewards.model_weight else 0
-        return ranks + self.rollout.num_engines * self.rollout.cpus_per_engine
+        """Logical CPUs the stage reserves at once (every rank and engine holds one bundle of its CPUs)."""
+        roles = [self.policy] + ([] if self.policy.lora else [self.reference])
+        roles += [self.critic] if self.algorithm == "ppo" else []
+        roles += [self.reward] if self.rewards.model_weight else []
+        return sum(r.num_ranks * r.cpus_per_rank for r in roles) + self.rollout.num_engines * self.rollout.cpus_per_engine
