@@ -99,7 +99,7 @@ def vllm_tokens_per_s(pool, prompts: list[list[int]], n: int, max_new: int) -> t
 
 def pickled_engine_cls():
     """The rollout engine plus the baseline loader: unpickle a state dict sent as bytes, then load it."""
-    from stages.ppo.rollout import RolloutEngine, weights_to_numpy
+    from stages.common.engines import RolloutEngine, weights_to_numpy
 
     class PickledSyncEngine(RolloutEngine):
         def load_pickled(self, blob: bytes) -> float:
@@ -117,7 +117,7 @@ def sync_seconds(pool, model_dir: Path, repeats: int) -> tuple[float, float, int
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.ppo.rollout import nbytes, weights_to_numpy
+    from stages.common.engines import nbytes, weights_to_numpy
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     zero, pickled, size = [], [], 0
@@ -183,7 +183,7 @@ def main() -> None:
 
     import ray
 
-    from stages.ppo.rollout import EnginePool, EngineSpec
+    from stages.common.engines import EnginePool, EngineSpec
 
     ray.init(num_cpus=args.engines, include_dashboard=False, log_to_driver=False)
     pool = None

@@ -175,14 +175,14 @@ def engine_greedy(model_dirs: list[Path], prompt_ids: list[list[int]], max_new_t
     per model. The engines start and answer concurrently and are shut down before this returns,
     also on failure.
 
-    The engine is the ppo stage's rollout actor (`stages.ppo.rollout`), reused as is: the same
+    The engine is the ppo stage's rollout actor (`stages.common.engines`), reused as is: the same
     settings (fp32, whole-prompt prefill, safetensors only) as the held-out evaluation after PPO.
     """
     import ray
 
     from stages.common.deepspeed import use_gpu
+    from stages.common.engines import EngineSpec, RolloutEngine
     from stages.common.models import load_tokenizer
-    from stages.ppo.rollout import EngineSpec, RolloutEngine
 
     prompt_ids = [list(p) for p in prompt_ids]
     spec = EngineSpec(max_model_len=max(len(p) for p in prompt_ids) + max_new_tokens, seed=seed, gpu=use_gpu(),

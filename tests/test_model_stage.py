@@ -120,7 +120,7 @@ def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(r
     from pipeline.runner import run_pipeline
     from stages.common import lora
     from stages.common.models import load_tokenizer
-    from stages.ppo.rollout import EnginePool, EngineSpec, weights_to_numpy
+    from stages.common.engines import EnginePool, EngineSpec, weights_to_numpy
 
     real = Path(__file__).resolve().parent.parent / "configs" / "real.yaml"
     cfg = load_config(real, [f"run_dir={tmp_path}", f"mlflow.tracking_uri={tracking_uri}", "stages.sft.lora.r=8",

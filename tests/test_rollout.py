@@ -80,7 +80,7 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
     import torch
     from transformers import AutoModelForCausalLM
 
-    from stages.ppo.rollout import EnginePool, EngineSpec, weights_to_numpy
+    from stages.common.engines import EnginePool, EngineSpec, weights_to_numpy
 
     prompts, n = _prompts(model_dir), 8
     greedy = {"temperature": 0.0, "max_tokens": n, "ignore_eos": True}
@@ -146,7 +146,7 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
 def test_weights_to_numpy_is_zero_copy_and_keeps_bf16():
     import torch
 
-    from stages.ppo.rollout import numpy_to_tensors, weights_to_numpy
+    from stages.common.engines import numpy_to_tensors, weights_to_numpy
 
     emb = torch.randn(4, 3)
     state = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": torch.randn(3, dtype=torch.bfloat16)}

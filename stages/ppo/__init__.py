@@ -5,7 +5,7 @@ policy (trainable, from the SFT model), critic (trainable, from the reward model
 reference (frozen SFT model, for the KL penalty; with `policy.lora` the policy itself with its
 adapter switched off, so no second copy is started) and reward (the reward model; used when
 `rewards.model_weight` is not 0). Rollouts come from `rollout.num_engines` vLLM engines, each a
-Ray actor (`rollout.py`); policy ranks send their share of the prompts to engines
+Ray actor (`stages/common/engines.py`, shared with SFT's evaluation); policy ranks send their share of the prompts to engines
 themselves (any rank can call any engine). The score of a response mixes the reward model and a
 rule reward (the task verifier, or your own `module:function`) by `rewards.*_weight`.
 
@@ -20,7 +20,6 @@ with set-up (`_start`), the held-out evaluation (`scoring.evaluate`, `_finish`) 
     __init__.py  this loop                        config.py   the typed config (PPOConfig)
     rl.py        the pure RL math (tested)        scoring.py  rewards, evaluation, sign test
     groups.py    ModelGroup: a model on N actors  worker.py   PPOWorker: one rank of a role
-    rollout.py   vLLM engines, weight sync
 
 After every update the policy's full weights go into the object store once and every engine
 loads them from there (zero-copy on the same node), so rollouts always come from the current
@@ -132,7 +131,7 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     from stages.common.deepspeed import use_gpu
     from stages.common.lora import describe
     from stages.common.models import load_tokenizer
-    from stages.ppo.rollout import EnginePool, EngineSpec
+    from stages.common.engines import EnginePool, EngineSpec
     from stages.ppo.scoring import rule_reward
 
     sft, rm_dir, data = ctx.inputs["sft_model"], ctx.inputs["reward_model"], ctx.inputs["prompt_data"]

@@ -218,7 +218,7 @@ class PPOWorker(Workhorse):
         import ray
 
         from stages.common.lora import merged_state_dict
-        from stages.ppo.rollout import nbytes, weights_to_numpy
+        from stages.common.engines import nbytes, weights_to_numpy
 
         params = list(self.engine.module.parameters())
         zero3 = self.engine.zero_optimization_stage() == 3

@@ -1,4 +1,7 @@
-"""Rollout engines: vLLM as Ray actors, and zero-copy weight sync through the object store.
+"""vLLM engines as Ray actors, and zero-copy weight sync through the object store.
+
+The ppo stage's rollouts and SFT's held-out greedy answers (`accuracy_engine: vllm`) both come
+from here; it lives in `stages/common` so that editing PPO does not change SFT's cache key.
 
     pool = EnginePool(model_dir, EngineSpec(...), num_engines=2)   # N engines, one Ray actor each
     pool.sync(weights_ref)             # every engine loads the policy's weights from one ray.put
@@ -31,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-EXTENSION = "stages.ppo.rollout.WeightSyncExtension"
+EXTENSION = "stages.common.engines.WeightSyncExtension"
 BF16_TAG = "__bf16__"
 
 
