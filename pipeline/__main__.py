@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
                 "(engine and endpoint from stages.serve)", optional=True)
     sv.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a local model directory "
                     "(default: models:/<stages.serve.registry.model_name>@<alias>)")
+    sv.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
+                    help="a LoRA adapter directory (PEFT, safetensors) trained on --model, served beside it as "
+                    "<model_id>:NAME (NAME defaults to the directory's name); repeatable")
     bi = common("batch-infer", "generate completions for a prompts file with a registered model (settings from "
                 "stages.batch_infer); Parquet results and a summary, tracked in MLflow")
     bi.add_argument("--model", help="models:/NAME@ALIAS or a local model directory (default: the serve stage's "
@@ -189,7 +192,7 @@ def _serve(cfg, args, console) -> int:
 
     check_reachable(cfg.tracking_uri)
     serve_model(cfg.stages.serve, args.model or _default_model(cfg), cfg.tracking_uri, cfg.run_dir / "registry_cache",
-                cfg.ray, _logger("serve", console))
+                cfg.ray, _logger("serve", console), args.adapter)
     return 0
 
 

@@ -98,14 +98,11 @@ def _rewards(engine, batch):
 def lm_head_for(model, init: str):
     """The output projection for `lm_loss`: the (trained) input embeddings when tied, else the init model's
     LM head, frozen (a sequence classifier has no LM head of its own)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from stages.common import models
 
     if getattr(model.config, "tie_word_embeddings", False):
         return model.get_input_embeddings().weight
-    lm = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, **models.SAFE_LOAD)
+    lm = models.load_model(init, "causal")
     return lm.get_output_embeddings().weight.detach().clone()
 
 
@@ -150,7 +147,6 @@ def _evaluate(engine, batches) -> dict[str, float]:
 def train_loop(c: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
     import torch
-    from transformers import AutoModelForSequenceClassification
 
     from stages.common import lora, models, training
 
@@ -159,9 +155,7 @@ def train_loop(c: dict) -> None:
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
     init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
-    model = AutoModelForSequenceClassification.from_pretrained(init, num_labels=1, dtype=torch.float32,
-                                                               **models.SAFE_LOAD)
-    model.config.pad_token_id = c["pad_id"]  # the classifier reads the last non-pad token
+    model = models.load_model(init, "sequence", c["pad_id"])
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.lora:  # an adapter on the backbone; the score head trains in full

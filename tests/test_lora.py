@@ -9,7 +9,7 @@ import torch
 
 from conftest import smoke_config
 from pipeline.errors import ConfigError
-from stages.common import lora
+from stages.common import lora, models
 
 
 def _tiny(kind: str):
@@ -58,9 +58,9 @@ def test_a_saved_adapter_merges_into_its_base_as_the_trained_model(tmp_path, kin
     out = lora.merge_into(tmp_path / "base", tmp_path / "adapter", kind, tmp_path / "merged", pad_id=0)
     x = torch.randint(1, 300, (2, 7))
     with torch.no_grad():
-        torch.testing.assert_close(lora.load_model(out, kind)(input_ids=x).logits, peft(input_ids=x).logits,
+        torch.testing.assert_close(models.load_model(out, kind)(input_ids=x).logits, peft(input_ids=x).logits,
                                    rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(lora.load_model(tmp_path / "base", kind)(input_ids=x).logits,
+        assert not torch.allclose(models.load_model(tmp_path / "base", kind)(input_ids=x).logits,
                                   peft(input_ids=x).logits)
 
 

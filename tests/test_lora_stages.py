@@ -34,7 +34,7 @@ def _history(tracking_uri, run_id, key) -> dict[int, float]:
 
 
 def _weights(model_dir, kind="causal") -> dict:
-    from stages.common.lora import load_model
+    from stages.common.models import load_model
 
     return load_model(model_dir, kind).state_dict()
 
@@ -94,7 +94,7 @@ def test_lora_sft_trains_an_adapter_and_ends_merged_into_its_base(lora_run, trac
 def test_lora_reward_model_trains_an_adapter_and_its_score_head(lora_run):
     from safetensors import safe_open
 
-    from stages.common import lora
+    from stages.common import lora, models
 
     cfg, summary, _, _ = lora_run
     manifest, out = _outputs(summary, cfg, "reward")
@@ -103,7 +103,7 @@ def test_lora_reward_model_trains_an_adapter_and_its_score_head(lora_run):
         keys = list(f.keys())
     assert any("score" in k for k in keys) and any("lora_A" in k for k in keys)
     assert {"eval_accuracy", "eval_margin"} <= manifest["metrics"].keys()
-    scorer = lora.load_model(out["reward_model"], "sequence")
+    scorer = models.load_model(out["reward_model"], "sequence")
     assert scorer.config.num_labels == 1
 
 

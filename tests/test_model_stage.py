@@ -118,9 +118,9 @@ def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(r
     from pipeline import artifacts
     from pipeline.config import load_config
     from pipeline.runner import run_pipeline
-    from stages.common import lora
-    from stages.common.models import load_tokenizer
+    from stages.common import lora, models
     from stages.common.engines import EnginePool, EngineSpec, weights_to_numpy
+    from stages.common.models import load_tokenizer
 
     real = Path(__file__).resolve().parent.parent / "configs" / "real.yaml"
     cfg = load_config(real, [f"run_dir={tmp_path}", f"mlflow.tracking_uri={tracking_uri}", "stages.sft.lora.r=8",
@@ -135,7 +135,7 @@ def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(r
     base, sft = output("model", "base_model"), output("sft", "sft_model")
     adapter = sft.parent / lora.ADAPTER_DIR
     assert lora.adapter_problem(adapter) is None
-    trainer = PeftModel.from_pretrained(lora.load_model(base, "causal"), str(adapter)).eval()
+    trainer = PeftModel.from_pretrained(models.load_model(base, "causal"), str(adapter)).eval()
     tok = load_tokenizer(base)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                        return_dict=True)["input_ids"] for q in ("What is 7 + 5?", "Add 23 and 19.")]
@@ -151,10 +151,10 @@ def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(r
             out.append(ids[0, len(p):].tolist())
         return out
 
-    merged, original = lora.merged_state_dict(trainer), lora.load_model(base, "causal").state_dict()
+    merged, original = lora.merged_state_dict(trainer), models.load_model(base, "causal").state_dict()
     assert any(not torch.equal(merged[k], original[k]) for k in merged if "q_proj" in k)  # the steps moved it
     expected = hf_greedy(trainer)
-    assert expected == hf_greedy(lora.load_model(sft, "causal").eval())  # the exported model is base + adapter
+    assert expected == hf_greedy(models.load_model(sft, "causal").eval())  # the exported model is base + adapter
     pool = EnginePool(str(base), EngineSpec(max_model_len=256, seed=0), num_engines=1)
     try:
         pool.sync(ray.put(weights_to_numpy(merged)))

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 KEY = "test-key-123"
 PORT = 18437
 REGISTER = ["stages.serve.source=base_model", "stages.serve.deploy=false"]
+ADAPTER = "tuned"
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +51,38 @@ def test_unchanged_model_adds_no_version_and_a_changed_one_moves_the_alias(regis
 
 
 @pytest.fixture(scope="module")
-def server(registered, tracking_uri, ray_local, tmp_path_factory, monkeypatch_module):
-    """The champion version, fetched by its registry URI and served with an API key, for the module."""
+def champion(registered, tracking_uri, tmp_path_factory):
+    """The champion version fetched by its registry URI, and a LoRA adapter on it (PEFT, saved as
+    training saves one, with random weights in both factors so it changes the answers): (model, adapter)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.common import lora
     from stages.common.model_registry import fetch
+
+    model_dir = fetch("models:/posttrain-policy@champion", tracking_uri, tmp_path_factory.mktemp("registry_cache"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    wrapped = lora.wrap(model, lora.LoraSection(r=8, alpha=16), "causal")
+    with torch.no_grad():  # as training moves them: B starts at zero, which would change nothing
+        for p in wrapped.parameters():
+            if p.requires_grad:
+                p.normal_(0.0, 0.5)
+    adapter = tmp_path_factory.mktemp("adapters") / ADAPTER
+    lora.save_adapter(wrapped, adapter)
+    return model_dir, adapter
+
+
+@pytest.fixture(scope="module")
+def server(registered, champion, ray_local, monkeypatch_module):
+    """The champion served with an API key, and an adapter on it as `<model>:tuned`, for the module."""
     from stages.serve import Server
 
     run_dir, _ = registered
+    model_dir, adapter = champion
     monkeypatch_module.setenv("SERVE_TEST_KEY", KEY)
     cfg = smoke_config(run_dir, f"stages.serve.http.port={PORT}", "stages.serve.http.api_key_env=SERVE_TEST_KEY",
                        "stages.serve.engine.max_num_seqs=16", "stages.serve.limits.max_tokens=32").stages.serve
-    model_dir = fetch("models:/posttrain-policy@champion", tracking_uri, tmp_path_factory.mktemp("registry_cache"))
     # Someone else's application already runs on this Ray instance, on another route prefix: the
     # stage's server must leave it (and Serve) running when it goes (checked after it has gone).
     from ray import serve
@@ -72,7 +95,7 @@ def server(registered, tracking_uri, ray_local, tmp_path_factory, monkeypatch_mo
     serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
     serve.run(Bystander.bind(), name="bystander", route_prefix="/bystander")
     try:
-        with Server(cfg, model_dir, print) as url:
+        with Server(cfg, model_dir, print, adapters={ADAPTER: adapter}) as url:
             yield url, cfg.served_name()
         assert serve.status().applications["bystander"].status == "RUNNING"  # not deleted with ours
         assert "posttrain" not in serve.status().applications  # ours is gone
@@ -98,7 +121,7 @@ def _client(url, key=KEY):
 def test_openai_client_chat_completion_and_streaming(server):
     url, model = server
     client = _client(url)
-    assert [m.id for m in client.models.list().data] == [model]
+    assert [m.id for m in client.models.list().data] == [model, f"{model}:{ADAPTER}"]
 
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}],
                                           max_tokens=8, temperature=0.0)
@@ -121,6 +144,34 @@ def test_openai_client_chat_completion_and_streaming(server):
     unnamed = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "What is 2 + 3?"}],
                                              temperature=0.0, extra_body={"ignore_eos": True})
     assert unnamed.usage.completion_tokens == 32 and unnamed.choices[0].finish_reason == "length"
+
+
+def test_a_lora_adapter_answers_under_its_own_name_as_its_merged_model_does(server, champion, tmp_path):
+    """`<model>:tuned` is the adapter on the base (Serve LLM's multiplexing, vLLM's LoRA): its greedy
+    tokens are those of HF generate on the base with the adapter merged; the base still answers as
+    the base; an adapter the server does not have is a 404 naming the ones it has."""
+    import openai
+
+    from stages.common import lora
+    from stages.common.models import greedy_generate, load_tokenizer
+
+    url, model = server
+    model_dir, adapter = champion
+    client = _client(url)
+    prompt = load_tokenizer(model_dir)("Calculate 4 + 1.")["input_ids"]
+
+    def answer(name: str) -> str:
+        return client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0.0).choices[0].text
+
+    merged = lora.merge_into(model_dir, adapter, "causal", tmp_path / "merged")
+    load_tokenizer(model_dir).save_pretrained(merged)
+    [expected], _ = greedy_generate(merged, [prompt], 8)
+    [base_expected], _ = greedy_generate(model_dir, [prompt], 8)
+    assert expected != base_expected  # the adapter changes the answer, so the comparison means something
+    assert answer(f"{model}:{ADAPTER}") == expected
+    assert answer(model) == base_expected
+    with pytest.raises(openai.NotFoundError, match=f"this server has: {model}, {model}:{ADAPTER}"):
+        answer(f"{model}:other")
 
 
 def test_sixteen_concurrent_requests_all_succeed(server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +306,80 @@ def test_deploying_reports_running_replicas_until_serve_run_returns(monkeypatch)
     monkeypatch.setattr(serve, "status", status)
     _watch_replicas(lambda done, total, unit, note: seen.append((done, total, unit)), stop, 2, every_s=0.01)
     assert seen[:3] == [(0, 2, "replica"), (1, 2, "replica"), (2, 2, "replica")]
+
+
+def _adapter(tmp_path, name: str, kind: str = "causal", r: int = 4):
+    """A PEFT adapter directory saved as training saves one (`lora.save_adapter`)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from stages.common import lora
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, num_labels=1)
+    model = LlamaForCausalLM(cfg) if kind == "causal" else LlamaForSequenceClassification(cfg)
+    lora.save_adapter(lora.wrap(model, lora.LoraSection(r=r, alpha=2 * r), kind), tmp_path / name)
+    return tmp_path / name
+
+
+def test_adapters_to_serve_are_checked_and_named_before_anything_starts(tmp_path):
+    from stages.serve import adapter_rank, lora_rank_limit, parse_adapter
+
+    assert parse_adapter("ppo=runs/x/adapter") == ("ppo", Path("runs/x/adapter"))
+    assert parse_adapter("runs/x/tuned")[0] == "tuned"  # named after its directory
+    for bad, expected in (("a:b=dir", "letters, digits"), ("=dir", "NAME=DIR"), ("x=", "NAME=DIR")):
+        with pytest.raises(UserError, match=expected):
+            parse_adapter(bad)
+
+    assert adapter_rank(_adapter(tmp_path, "causal", r=4)) == 4
+    with pytest.raises(UserError, match="SEQ_CLS"):  # a reward model's adapter generates nothing
+        adapter_rank(_adapter(tmp_path, "reward", kind="sequence"))
+    with pytest.raises(UserError, match="not a directory"):
+        adapter_rank(tmp_path / "missing")
+    pickled = shutil.copytree(tmp_path / "causal", tmp_path / "pickled")
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    with pytest.raises(UserError, match="adapter_model.bin, a pickle file"):
+        adapter_rank(pickled)
+    assert [lora_rank_limit(r) for r in (1, 4, 8, 16, 17, 320)] == [1, 8, 8, 16, 32, 320]
+    with pytest.raises(UserError, match="512"):
+        lora_rank_limit(600)
+
+
+def test_served_adapters_switch_on_vllm_lora_and_unknown_model_names_get_404(tmp_path):
+    from stages.serve import ServeConfig, llm_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    adapters = {"a": _adapter(tmp_path, "a", r=4), "b": _adapter(tmp_path, "b", r=12)}
+    llm = llm_config(ServeConfig(), tmp_path, gpu=False, adapters=adapters)
+    assert (llm.engine_kwargs["enable_lora"], llm.engine_kwargs["max_lora_rank"], llm.engine_kwargs["max_loras"]) == \
+        (True, 16, 2)
+    assert llm.lora_config.max_num_adapters_per_replica == 2 and llm.lora_config.dynamic_lora_loading_path is None
+    assert llm_config(ServeConfig(), tmp_path, gpu=False).lora_config is None  # no adapters: LoRA stays off
+
+    def guard(inner):
+        return RequestGuard(inner, None, models=["m", "m:a"])
+
+    status, body, seen = _call(guard, "POST", b'{"model": "m:other"}')
+    assert status == 404 and seen is None and "'m:other' is not served here; this server has: m, m:a" in \
+        json.loads(body)["error"]["message"]
+    assert _call(guard, "POST", b'{"model": "m:a"}')[0] == 200 and _call(guard, "POST", b'{"prompt": "x"}')[0] == 200
+
+
+def test_the_adapter_loader_hands_serve_the_named_directory(tmp_path):
+    from stages.serve import LocalAdapters
+
+    loader = LocalAdapters({"tuned": str(tmp_path)}, download_timeout_s=30, max_tries=3)  # as Serve LLM builds it
+    first = asyncio.run(loader.load_model_from_config("m:tuned", None))
+    assert (first.model_id, first.local_path) == ("m:tuned", str(tmp_path))
+    assert asyncio.run(loader.load_model_from_config("m:tuned", None)) is first  # one vLLM id per adapter
+    with pytest.raises(ValueError, match="no adapter named 'other'"):
+        asyncio.run(loader.load_model_from_config("m:other", None))
+
+
+def test_serve_refuses_a_reward_model_adapter_before_starting_ray(tmp_path):
+    from conftest import run_cli
+
+    reward = _adapter(tmp_path, "reward", kind="sequence")
+    result = run_cli("serve", f"run_dir={tmp_path}", "--model", str(tmp_path), "--adapter", f"rm={reward}")
+    assert result.returncode == 2 and "SEQ_CLS" in result.stderr and "Ray" not in result.stderr, result.stderr[-2000:]

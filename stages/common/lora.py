@@ -116,22 +116,6 @@ def load_adapter(model, directory: Path) -> None:
     set_peft_model_state_dict(model, load_file(str(directory / SAFE_ADAPTER)))
 
 
-def load_model(model_dir: str | Path, kind: str, pad_id: int | None = None):
-    """An HF model from a local directory as `kind` ('causal', or 'sequence': one-output classifier)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from stages.common.models import SAFE_LOAD
-
-    if kind == "causal":
-        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **SAFE_LOAD)
-    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
-                                                               **SAFE_LOAD)
-    if pad_id is not None:
-        model.config.pad_token_id = pad_id  # the classifier reads the last non-pad token
-    return model
-
-
 def merge_into(base_dir: str | Path, adapter_dir: Path, kind: str, out: Path, pad_id: int | None = None) -> Path:
     """Base + adapter merged into one ordinary HF model at `out` (safetensors)."""
     from peft import PeftModel
@@ -139,6 +123,8 @@ def merge_into(base_dir: str | Path, adapter_dir: Path, kind: str, out: Path, pa
     problem = adapter_problem(adapter_dir)
     if problem:
         raise ValueError(problem)
+    from stages.common.models import load_model
+
     model = PeftModel.from_pretrained(load_model(base_dir, kind, pad_id), str(adapter_dir), is_trainable=False)
     model.merge_and_unload().save_pretrained(out, safe_serialization=True)
     return out

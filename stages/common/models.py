@@ -295,6 +295,22 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def load_model(model_dir: str | Path, kind: str, pad_id: int | None = None):
+    """A local HF model in float32 (safetensors only) as `kind`: 'causal', or 'sequence' (a
+    one-output classifier, reading the last token that is not `pad_id`). Every training role
+    loads through here, so they all read checkpoints the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if kind == "causal":
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **SAFE_LOAD)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
+                                                               **SAFE_LOAD)
+    if pad_id is not None:
+        model.config.pad_token_id = pad_id
+    return model
+
+
 def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                     batch_size: int = 32) -> tuple[list[str], list[bool]]:
     """Greedy completions (new tokens only, special tokens dropped) for tokenized prompts, and whether

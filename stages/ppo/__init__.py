@@ -130,8 +130,8 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
 
     from stages.common.deepspeed import use_gpu
     from stages.common.lora import describe
-    from stages.common.models import load_tokenizer
     from stages.common.engines import EnginePool, EngineSpec
+    from stages.common.models import load_tokenizer
     from stages.ppo.scoring import rule_reward
 
     sft, rm_dir, data = ctx.inputs["sft_model"], ctx.inputs["reward_model"], ctx.inputs["prompt_data"]

@@ -62,24 +62,18 @@ class PPOWorker(Workhorse):
         isolate_jit_builds()
         import deepspeed
         import torch
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         from stages.common import lora
-        from stages.common.models import SAFE_LOAD, count_parameters, load_tokenizer
+        from stages.common.models import count_parameters, load_model, load_tokenizer
 
         torch.manual_seed(spec["seed"] + self.rank)
         self.storage = spec["storage"]
         spec = {**spec, "model_dir": str(self.storage.localize(spec["model_dir"]))}  # pulled if this node lacks it
         self.spec, self.kind = spec, spec["kind"]
         self.generator = torch.Generator().manual_seed(spec["seed"] * 1000 + self.rank)
-        if self.kind == "causal":
-            model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, **SAFE_LOAD)
-        else:
-            model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1,
-                                                                       dtype=torch.float32, **SAFE_LOAD)
-            model.config.pad_token_id = spec["pad_id"]
-            if spec.get("zero_head"):  # critic: values start at 0, not at the reward model's logit scale
-                torch.nn.init.zeros_(model.score.weight)
+        model = load_model(spec["model_dir"], self.kind, None if self.kind == "causal" else spec["pad_id"])
+        if spec.get("zero_head"):  # critic: values start at 0, not at the reward model's logit scale
+            torch.nn.init.zeros_(model.score.weight)
         if spec.get("activation_checkpointing"):
             model.gradient_checkpointing_enable()
         if spec.get("lora"):  # after zero_head: the trained copy of the score head starts from the zeros
