@@ -21,6 +21,9 @@ LoRA saves against full fine-tuning.
 The JSON is rewritten after each part, so an interrupted bench keeps what it measured.
 
     .venv/bin/python bench/real.py --seed 0 --run-dir runs/bench-real --json bench/real.json
+    # part 4 again with other GRPO settings, from the kept LoRA run (appends to "grpo_variants"):
+    .venv/bin/python bench/real.py --seed 0 --run-dir runs/bench-real --json bench/real.json \
+        --grpo-only --grpo-set stages.ppo.rewards.model_weight=0
 
 Run it alone on the machine: memory and speed are the machine's.
 """
@@ -132,6 +135,10 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-real",
                         help="the LoRA pipeline's run directory (kept, to serve its model afterwards)")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--grpo-only", action="store_true",
+                        help="run part 4 alone, from the LoRA run already in --run-dir, and add its figures to --json")
+    parser.add_argument("--grpo-set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="config overrides for part 4 besides stages.ppo.algorithm=grpo")
     args = parser.parse_args()
     run_dir = args.run_dir.absolute()
     full_dir = run_dir.with_name(run_dir.name + "-full")
@@ -141,6 +148,12 @@ def main() -> None:
         print(text, flush=True)
         if args.json:
             args.json.write_text(text + "\n")
+
+    if args.grpo_only:
+        figures = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
+        figures.setdefault("grpo_variants", []).append(grpo(run_dir, args.seed, args.grpo_set))
+        write(figures)
+        return
 
     # 1. The LoRA pipeline, every stage.
     summary, wall, _ = pipeline(run_dir, args.seed)
@@ -168,11 +181,18 @@ def main() -> None:
     figures["train_tokens_per_s_full"] = round(mean_metric(full_sft, "sft", "tokens_per_s"), 1)
     write(figures)
     # 4. GRPO from the same SFT model and reward model.
+    figures["grpo"] = grpo(run_dir, args.seed, args.grpo_set)
+    write(figures)
+
+
+def grpo(run_dir: Path, seed: int, overrides: list[str]) -> dict:
+    """Part 4: the ppo stage with `algorithm: grpo` (and `overrides`) from the LoRA run's SFT and reward
+    models, in a directory of its own: held-out sampled accuracy before/after with the sign test."""
     grpo_dir = run_dir.with_name(run_dir.name + "-grpo")
     copy_upstream(run_dir, grpo_dir)
-    grpo, grpo_wall, _ = pipeline(grpo_dir, args.seed, "--only", "ppo", "stages.ppo.algorithm=grpo")
-    figures["grpo"] = {**sampled(metrics(grpo, "ppo")), "ppo_s": round(grpo_wall, 1)}
-    write(figures)
+    # --to, not --only: upstream stages are cache hits from the copy, or rerun if the code has changed since
+    summary, _, _ = pipeline(grpo_dir, seed, "--to", "ppo", "stages.ppo.algorithm=grpo", *overrides)
+    return {"overrides": overrides, **sampled(metrics(summary, "ppo")), "ppo_s": stage(summary, "ppo")["duration_s"]}
 
 
 def sampled(ppo: dict) -> dict:
