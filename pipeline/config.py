@@ -257,7 +257,7 @@ def reference(model: type[Section] = PipelineConfig, prefix: str = "") -> list[t
     """(key path, default, description) for every option: the README's config reference."""
     rows = []
     for name, f in model.model_fields.items():
-        path = f"{prefix}{name}"
+        path = f"{prefix}{f.alias or name}"  # the YAML key (`async` is a Python keyword: field async_)
         sub, key = subsection(f.annotation)
         if sub is not None:
             rows.append((path, "", f.description or ""))

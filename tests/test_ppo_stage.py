@@ -42,10 +42,12 @@ def run_dir(smoke_trained, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ppo_run(ray_local, run_dir, tracking_uri, monkeypatch_module):
-    """One PPO run in which rollout engine 0 is killed at iteration 3 (index 2)."""
+    """One PPO run in which rollout engine 0 is killed at iteration 3 (index 2); the reference sits in the
+    policy ranks (`reference.colocate`)."""
     monkeypatch_module.setenv("PIPELINE_FAULT_KILL_ENGINE_AT", "2")
     try:
-        return run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.rewards.model_weight=0")
+        return run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.rewards.model_weight=0",
+                       "stages.ppo.reference.colocate=true")
     finally:
         monkeypatch_module.delenv("PIPELINE_FAULT_KILL_ENGINE_AT")
 
@@ -75,6 +77,10 @@ def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, 
     manifest, run_id, _ = ppo_run
     mismatch = history(tracking_uri, run_id, "logprob_mismatch_mean")
     assert len(mismatch) == 20 and max(mismatch.values()) < 1e-4  # fp32 weights synced every iteration
+    assert set(history(tracking_uri, run_id, "staleness").values()) == {0}  # synchronous: the current policy's
+    # The colocated reference is the SFT policy: before the first update the policy's KL to it is 0.
+    assert history(tracking_uri, run_id, "kl")[1] < 1e-4
+    assert max(history(tracking_uri, run_id, "kl").values()) > 1e-3  # and it then measures the policy moving away
     assert manifest["metrics"]["reward_slope"] > 0 and manifest["metrics"]["kl_max"] >= 0
     client = MlflowClient(tracking_uri)
     files = {a.path for a in client.list_artifacts(run_id, "samples")}
@@ -86,13 +92,23 @@ def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, 
     assert len(rows) == 4 and {"prompt", "answer", "response", "reward"} <= rows[0].keys()
 
 
-def test_grpo_raises_the_reward(ray_local, run_dir, tracking_uri):
-    _, run_id, _ = run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.algorithm=grpo",
+def test_async_grpo_raises_the_reward_on_rollouts_at_most_one_update_old(ray_local, run_dir, tracking_uri):
+    """GRPO with `rollout.async`: iteration i+1's rollouts are generated while iteration i trains."""
+    _, run_id, _ = run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true",
                            "stages.ppo.rewards.model_weight=0", "stages.ppo.iterations=16", "stages.ppo.eval_prompts=0")
     reward = history(tracking_uri, run_id, "reward_mean")
     first, last = sum(reward[i] for i in (1, 2, 3, 4)) / 4, sum(reward[i] for i in (13, 14, 15, 16)) / 4
     assert last > first + 0.1, reward
     assert not history(tracking_uri, run_id, "value_loss")  # no critic
+    # The engines tag their samples with the weights' version: the first batch comes from the SFT weights,
+    # every later one from the weights one update before the policy that trains on it (the bound is 1).
+    staleness = history(tracking_uri, run_id, "staleness")
+    # (Which of the next rollouts and the sync reaches an engine first is Ray's ordering, not ours; the rollouts
+    # are sent long before the update ends, so nearly every iteration overlaps.)
+    assert staleness[1] == 0 and set(staleness.values()) <= {0, 1}, staleness
+    assert sum(staleness.values()) >= 12, staleness
+    # so the engines' log-probs are no longer the trainer's: the importance weights have something to correct
+    assert max(history(tracking_uri, run_id, "logprob_mismatch_mean").values()) > 1e-3
 
 
 def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
@@ -121,7 +137,8 @@ def test_interrupted_ppo_resumes_from_its_checkpoint_in_the_object_store(ray_loc
 
     with S3Server() as s3:
         short = [*LEARN, "stages.ppo.iterations=4", "stages.ppo.checkpoint_every=2", "stages.ppo.eval_prompts=0",
-                 "stages.ppo.algorithm=grpo", f"storage.uri=s3://{s3.bucket}/ppo", f"storage.endpoint_url={s3.endpoint}"]
+                 "stages.ppo.algorithm=grpo", f"storage.uri=s3://{s3.bucket}/ppo", f"storage.endpoint_url={s3.endpoint}",
+                 "stages.ppo.rollout.engine_logprobs=true"]  # the old policy's log-probs from the engines
         monkeypatch.setenv("PIPELINE_FAULT_AFTER_ITERATION", "2")
         with pytest.raises(Exception, match="injected fault after iteration 2"):
             run_ppo(run_dir, tracking_uri, *short)

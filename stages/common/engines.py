@@ -155,7 +155,7 @@ class RolloutEngine:
         if not spec.gpu:
             # One engine per logical CPU slot; let its matmuls use the cores Ray gave it.
             torch.set_num_threads(max(1, int(spec.num_cpus)))
-        self.index = index
+        self.index, self.version = index, 0  # version: policy updates in the loaded weights (0: the model's own)
         self.llm = LLM(
             # pulled from the object store if this node lacks it
             model=str(spec.storage.localize(model_dir) if spec.storage is not None else model_dir),
@@ -171,7 +171,8 @@ class RolloutEngine:
         )
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict) -> list[list[dict]]:
-        """For each prompt, `sampling['n']` samples: [{'ids': [...], 'finished': bool}, ...].
+        """For each prompt, `sampling['n']` samples: [{'ids': [...], 'finished': bool, 'version': int}, ...]
+        (`version`: that of the weights that generated them, as given to `load_weights`).
 
         With `sampling['logprobs']` set (0 is enough), each sample also carries `logprobs`: the
         engine's log-probability of each sampled token, before temperature and top-p (vLLM's
@@ -181,13 +182,15 @@ class RolloutEngine:
 
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], SamplingParams(**sampling),
                                  use_tqdm=False)
-        return [[_sample(c) for c in o.outputs] for o in outs]
+        return [[{**_sample(c), "version": self.version} for c in o.outputs] for o in outs]
 
-    def load_weights(self, weights: dict[str, Any]) -> float:
-        """Load the policy's weights (a ref resolved by Ray: zero-copy numpy); returns seconds taken."""
+    def load_weights(self, weights: dict[str, Any], version: int | None = None) -> float:
+        """Load the policy's weights (a ref resolved by Ray: zero-copy numpy); returns seconds taken.
+        `version` (the policy updates they include) tags what the engine generates from now on."""
         t0 = time.time()
         self.llm.collective_rpc("load_synced_weights", args=(weights,))
         self.llm.reset_prefix_cache()
+        self.version = self.version + 1 if version is None else version
         return time.time() - t0
 
     def ping(self) -> int:
@@ -205,17 +208,25 @@ class EnginePool:
     """`num_engines` RolloutEngine actors; restarts dead ones and brings them to the current weights."""
 
     def __init__(self, model_dir: str, spec: EngineSpec, num_engines: int, strategy: str = "SPREAD",
-                 engine_cls: type = RolloutEngine):
-        import ray
+                 engine_cls: type = RolloutEngine, wait: bool = True):
+        """With `wait=False` the engines start in the background (the ppo stage starts its roles
+        meanwhile); `ready()` waits for them."""
         from ray.util.placement_group import placement_group
 
         self.model_dir, self.spec, self.restarts, self.engine_cls = model_dir, spec, 0, engine_cls
         bundle = {"CPU": spec.num_cpus, **({"GPU": 1} if spec.gpu else {})}
         self.pg = placement_group([bundle] * num_engines, strategy=strategy)
-        ray.get(self.pg.ready(), timeout=120)
-        self.engines = [self._start(i) for i in range(num_engines)]
+        self.engines = [self._start(i) for i in range(num_engines)]  # they wait for the placement group
+        self.weights_ref, self.version = None, None  # the last synced weights, to bring a restarted engine up to date
+        if wait:
+            self.ready()
+
+    def ready(self, timeout: float = 120) -> None:
+        """Wait until the engines' CPUs (GPUs) are reserved (within `timeout`) and every engine answers."""
+        import ray
+
+        ray.get(self.pg.ready(), timeout=timeout)
         ray.get([e.ping.remote() for e in self.engines])
-        self.weights_ref = None  # the last synced weights, to bring a restarted engine up to date
 
     def _start(self, index: int):
         import ray
@@ -228,20 +239,20 @@ class EnginePool:
         )
         return actor.remote(self.model_dir, self.spec, index)
 
-    def sync(self, weights_ref) -> float:
-        """Every engine loads the weights behind `weights_ref` (one object, read in place); wall seconds."""
+    def sync(self, weights_ref, version: int | None = None) -> float:
+        """Every engine loads the weights behind `weights_ref` (one object, read in place) as `version`;
+        returns the longest engine's load seconds."""
         import ray
 
-        t0 = time.time()
-        self.weights_ref = weights_ref
+        self.weights_ref, self.version = weights_ref, version
         try:
-            ray.get([e.load_weights.remote(weights_ref) for e in self.engines])
+            return max(ray.get([e.load_weights.remote(weights_ref, version) for e in self.engines]))
         except ray.exceptions.RayActorError:
             # An engine died before or during the load: revive() restarts it and loads weights_ref into it;
             # if none was found dead the error was something else, and it is raised.
             if not self.revive():
                 raise
-        return time.time() - t0
+            return 0.0
 
     def kill(self, index: int, timeout: float = 60) -> None:
         """Fault drills: kill engine `index` and return once Ray reports it dead.
@@ -281,7 +292,7 @@ class EnginePool:
         if dead:
             ray.get([self.engines[i].ping.remote() for i in dead])
             if self.weights_ref is not None:
-                ray.get([self.engines[i].load_weights.remote(self.weights_ref) for i in dead])
+                ray.get([self.engines[i].load_weights.remote(self.weights_ref, self.version) for i in dead])
         return dead
 
     def shutdown(self) -> None:

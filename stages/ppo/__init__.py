@@ -115,11 +115,14 @@ def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, tra
     ds_config = engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16, cfg.mini_batch_size,
                               role.lr, role.weight_decay, role.grad_clip) if trainable \
         else engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16)  # no optimizer
-    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu, cfg.placement_strategy, env=device_env(gpu))
+    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu, cfg.placement_strategy,
+                       env=device_env(gpu), wait=False)
     spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
             "seed": seed, "storage": run_storage, "activation_checkpointing": role.deepspeed.activation_checkpointing,
             "zero_head": kind == "value" and cfg.critic_zero_init, "ds_config": ds_config,
-            "lora": role.lora.model_dump(mode="json") if trainable and role.lora else None}
+            "lora": role.lora.model_dump(mode="json") if trainable and role.lora else None,
+            # the policy's ranks also hold the frozen reference (reference.colocate, full fine-tuning)
+            "reference_dir": str(model_dir) if name == "policy" and cfg.reference.colocate and not role.lora else None}
     return group, group.run("setup", spec)
 
 
@@ -144,8 +147,10 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     ctx.ray()
     _check_cluster(cfg)
     lora_ref = cfg.policy.lora is not None  # the reference is the LoRA policy with its adapter off
+    in_policy = lora_ref or cfg.reference.colocate  # no reference ranks of its own
     critic_note = f", critic x{cfg.critic.num_ranks}{describe(cfg.critic.lora)}" if ppo else ""
-    ref_note = "reference: the policy without its adapter" if lora_ref else f"reference x{cfg.reference.num_ranks}"
+    ref_note = "reference: the policy without its adapter" if lora_ref else \
+        "reference: a copy in each policy rank" if in_policy else f"reference x{cfg.reference.num_ranks}"
     ctx.progress(f"starting {cfg.rollout.num_engines} vLLM engines and the roles (policy x{cfg.policy.num_ranks}"
                  f"{describe(cfg.policy.lora)}{critic_note}, {ref_note}"
                  f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''})")
@@ -155,16 +160,21 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
                       storage=ctx.storage)
     try:
         roles = [("policy", cfg.policy, "causal", sft, True)]
-        roles += [] if lora_ref else [("reference", cfg.reference, "causal", sft, False)]
+        roles += [] if in_policy else [("reference", cfg.reference, "causal", sft, False)]
         roles += [("critic", cfg.critic, "value", rm_dir, True)] if ppo else []
         roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
+        # Everything starts at once (roles and engines load their models concurrently): nothing blocks
+        # until every placement group is requested and every actor created.
+        s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False)
         pending = {}
         for name, role, kind, model_dir, trainable in roles:
             s.groups[name], pending[name] = _start_role(name, role, kind, model_dir, cfg, trainable, gpu,
                                                         s.tok.pad_token_id, seed, ctx.storage)
         s.trained = {name: s.groups[name] for name, *_, trainable in roles if trainable}
-        s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy)
-        params = {name: ray.get(refs)[0] for name, refs in pending.items()}
+        ray.get([g.pg.ready() for g in s.groups.values()], timeout=300)  # a clear error if resources never come
+        ray.get([r for g in s.groups.values() for r in g.ready_refs])  # process groups joined
+        params = {name: ray.get(refs)[0] for name, refs in pending.items()}  # models loaded
+        s.pool.ready()
     except BaseException:
         s.close()
         raise
@@ -175,23 +185,67 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
 # --------------------------------------------------------------------------- rollouts
 
 
-def _generate(pool, policy, prompt_ids: list[list[int]], sampling: dict, console) -> list[list[dict]]:
-    """Policy ranks send their prompt shares to the engines; a dead engine is restarted and the step retried."""
-    import ray
+@dataclass
+class _Rollouts:
+    """One iteration's generation request: launched on the engines (through the policy ranks),
+    collected later; with `rollout.async` the next iteration's is launched before this one trains."""
 
+    it: int
+    rows: list[dict]  # one row per rollout; a prompt's samples adjacent
+    sampling: dict
+    refs: list  # one ref per policy rank
+    launched: float = field(default_factory=time.time)
+    generated: list[list[dict]] | None = None  # per prompt, its samples (once collected)
+    wait_s: float = 0.0  # how long the loop waited for them
+
+
+def _sampling(cfg: PPOConfig, seed: int, it: int) -> dict:
+    return {"n": cfg.sampling.n, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+            "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0,  # the sampled tokens' log-probs
+            # vLLM seeds sample i of a request with seed + i: draw far-apart seeds per iteration
+            "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
+
+
+def _launch(pool, policy, rows: list[dict], n: int, sampling: dict):
+    """Policy ranks send their prompt shares to the engines (the call returns at once: refs)."""
     from stages.ppo.groups import shard
 
+    return policy.run_each("generate", shard([r["prompt_ids"] for r in rows[::n]], len(policy)), engines=pool.engines,
+                           sampling=sampling)
+
+
+def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int) -> _Rollouts:
+    """Sample iteration `it`'s prompts (seeded per iteration, so a resumed run sees the same ones) and launch
+    their generation with the weights the engines hold now."""
+    n = cfg.sampling.n
+    rows = random.Random(f"ppo-{seed}-{it}").sample(s.train_rows, cfg.prompts_per_iteration)
+    rows = [r for r in rows for _ in range(n)]
+    if it == fault_at:
+        s.pool.kill(0)
+    sampling = _sampling(cfg, seed, it)
+    return _Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling))
+
+
+def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
+    """Wait for a request's samples; a dead engine is restarted (with the last synced weights) and the
+    request sent again."""
+    import ray
+
+    if req.generated is not None:
+        return req
+    t0 = time.time()
     for attempt in range(3):
         try:
-            refs = policy.run_each("generate", shard(prompt_ids, len(policy)), engines=pool.engines,
-                                   sampling=sampling)
-            return [s for part in ray.get(refs) for s in part]
+            req.generated = [g for part in ray.get(req.refs) for g in part]
+            break
         except ray.exceptions.RayError as exc:
-            restarted = pool.revive()
+            restarted = s.pool.revive()
             if not restarted or attempt == 2:
                 raise
             console(f"rollout engine(s) {restarted} died ({type(exc).__name__}); restarted and re-synced, retrying")
-    raise AssertionError("unreachable")
+            req.refs = _launch(s.pool, s.role("policy"), req.rows, n, req.sampling)
+    req.wait_s = time.time() - t0
+    return req
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -240,7 +294,7 @@ def _resume(s: _Session, ctx: StageContext, kl_ctl) -> tuple[int, dict]:
     ray.get([r for name, g in s.trained.items() for r in g.run("load", str(d / name))])
     state = json.loads((d / "state.json").read_text())
     kl_ctl.value = state["kl_coef"]
-    s.pool.sync(s.role("policy").get("export_weights")[0][0])
+    s.pool.sync(s.role("policy").get("export_weights")[0][0], version=state["iteration"] + 1)
     ctx.progress(f"resumed from the checkpoint of iteration {state['iteration']}")
     return state["iteration"] + 1, state.get("trend", {"reward": [], "kl": []})
 
@@ -299,17 +353,22 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     import torch
 
     from stages.ppo import rl
-    from stages.ppo.scoring import evaluate, samples, score
+    from stages.ppo.scoring import evaluate, request_model_scores, samples, score
     from stages.ppo.worker import shard_batch
 
+    t_stage = time.time()
     s = _start(cfg, ctx)
     try:
         policy, critic, ref, reward, pool, tok = (*(s.role(k) for k in ROLES), s.pool, s.tok)
-        # A LoRA policy is its own reference (adapter off); otherwise the reference role's ranks.
+        # A LoRA policy is its own reference (adapter off), a colocated one sits in the policy ranks; otherwise
+        # the reference role's ranks.
         ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
-        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule) if s.eval_rows else None
+        t_ready = time.time()
+        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule) if s.eval_rows else None  # the SFT policy
         kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+        t0 = time.time()
         start, trend = _resume(s, ctx, kl_ctl)
+        startup_s = t_ready - t_stage + time.time() - t0  # stage start -> roles and engines ready (not the evaluation)
         # Fault drills and tests: kill engine 0 at iteration K; raise after the checkpoint of iteration N.
         fault_at = int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1"))
         fault_after = int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0"))
@@ -320,43 +379,48 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
               "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.sampling.max_new_tokens}
         metrics: dict[str, float] = {}
         ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
+        # 1.-2. sample prompts and generate. Synchronous: each iteration's rollouts come from the weights of
+        # the update before it. `rollout.async`: iteration it+1's are launched before iteration it trains, so
+        # generation overlaps scoring and training, and they come from weights one update older (staleness 1).
+        nxt = _request(s, cfg, seed, start, fault_at)
         for it in range(start, cfg.iterations):
             t_iter = time.time()
-            # 1. sample prompts (seeded per iteration, so a resumed run sees the same ones)
-            rows = random.Random(f"ppo-{seed}-{it}").sample(s.train_rows, cfg.prompts_per_iteration)
-            rows = [r for r in rows for _ in range(n)]  # one row per rollout; a prompt's samples adjacent
-            # 2. generate with the current policy weights
-            if it == fault_at:
-                pool.kill(0)
-            t0 = time.time()
-            sampling = {"n": n, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
-                        "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0,  # the sampled tokens' log-probs
-                        # vLLM seeds sample i of a request with seed + i: draw far-apart seeds per iteration
-                        "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
-            generated = _generate(pool, policy, [r["prompt_ids"] for r in rows[::n]], sampling, ctx.progress)
+            req = _collect(s, nxt, n, ctx.progress)
+            if cfg.rollout.async_ and it + 1 < cfg.iterations:
+                nxt = _request(s, cfg, seed, it + 1, fault_at)
+            rows, generated = req.rows, req.generated
             responses = [x["ids"] for group in generated for x in group]
             truncated = sum(not x["finished"] for group in generated for x in group) / len(responses)
             rollout_lp = [x["logprobs"] for group in generated for x in group]
-            t_gen = time.time() - t0
-            # 3. score: reward model and/or rule reward
+            # policy updates made since the weights that generated these rollouts (0 synchronous, <= 1 async)
+            staleness = it - min(x["version"] for group in generated for x in group)
+            if staleness > cfg.rollout.max_staleness():
+                raise AssertionError(f"iteration {it}: rollouts {staleness} updates old exceed the bound "
+                                     f"{cfg.rollout.max_staleness()}")
+            t_gen, gen_span = req.wait_s, time.time() - req.launched
+            # 3.-4. score. The reward model, the reference, the old policy and the critic are independent:
+            # all four are issued at once and run concurrently on their own ranks; the rule reward meanwhile.
             t0 = time.time()
             texts = tok.batch_decode(responses, skip_special_tokens=True)
-            scores, rule_scores = score(texts, rows, reward, cfg, s.rule)
             batch = rl.make_batch([r["prompt_ids"] for r in rows], responses, pad)
             shards = shard_batch(batch, len(policy))
-            # 4. log-probs of the reference and the current (old) policy, values of the critic
-            ref_lp = torch.cat(ray.get(ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=micro)))
-            old_lp = torch.cat(ray.get(policy.run_each("logprobs", shards, micro=micro)))
+            rm_refs = request_model_scores(texts, rows, reward, cfg)
+            ref_refs = ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=micro)
+            own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
+            old_refs = policy.run_each("logprobs", shards, micro=micro) if own else []
+            value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
+            scores, rule_scores = score(texts, rows, reward, cfg, s.rule, rm_refs)
             mask, score_t = batch["response_mask"], torch.tensor(scores)
-            kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)
-            # the engines sampled these tokens; how far their log-probs are from the trainer's (same weights)
             rollout_lp = rl.pad_rows(rollout_lp, mask.shape[1])
-            mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask)
-            if cfg.tis.enabled:
+            ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
+            values = torch.cat(ray.get(value_refs)) if ppo else None
+            kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)
+            # the engines sampled these tokens; how far their log-probs are from the trainer's (same weights when
+            # synchronous; one update apart with rollout.async, which the importance weights then correct)
+            mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask) if own else {}
+            if own and (cfg.tis.enabled or cfg.rollout.async_):
                 batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
             # 5. advantages
-            values = torch.cat(ray.get(critic.run_each("values", shard_batch(batch, len(critic)), micro=micro))) \
-                if ppo else None
             adv, returns, hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, kl_ctl.value, values)
             if ppo:
                 batch.update(old_values=values, returns=returns)
@@ -368,11 +432,15 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             crefs = critic.run_each("train_critic", shard_batch(batch, len(critic)), hp=hp) if ppo else []
             stats = ray.get(refs)[0] | (ray.get(crefs)[0] if ppo else {})
             t_train = time.time() - t0
-            # 7. sync: one put of the new weights, every engine loads them
+            # 7. sync: one put of the new weights, every engine loads them (async: once the next rollouts are in)
+            if nxt is not req:
+                _collect(s, nxt, n, ctx.progress)
             t0 = time.time()
             weights_ref, sync_bytes = policy.get("export_weights")[0]
-            load_s = pool.sync(weights_ref)
+            load_s = pool.sync(weights_ref, version=it + 1)
             t_sync = time.time() - t0
+            if nxt is req and it + 1 < cfg.iterations:
+                nxt = _request(s, cfg, seed, it + 1, fault_at)
             # 8. log
             seq_kl = float(rl.masked_mean(kl, mask, dim=1).mul(mask.sum(1)).mean())
             kl_ctl.update(seq_kl, len(rows))
@@ -382,9 +450,9 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
                 "kl": seq_kl, "kl_coef": kl_ctl.value, "response_length": gen_tokens / len(rows),
                 "truncated_frac": truncated,  # responses cut off by sampling.max_new_tokens
                 **{k: v for k, v in stats.items()}, "generate_s": t_gen, "score_s": t_score, "train_s": t_train,
-                "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20,
-                "gen_tokens_per_s": gen_tokens / max(t_gen, 1e-9), "iteration_s": time.time() - t_iter,
-                "engine_restarts": pool.restarts, **mismatch,
+                "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20, "staleness": staleness,
+                "gen_tokens_per_s": gen_tokens / max(gen_span, 1e-9), "iteration_s": time.time() - t_iter,
+                "engine_restarts": pool.restarts, **mismatch, **({"startup_s": startup_s} if it == start else {}),
             }
             ctx.log_metrics(metrics, step=it + 1)
             trend["reward"].append(metrics["reward_mean"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pipeline.schema import Section
 from stages.common.deepspeed import DeepSpeedSection, LoraSection, zero3_problem
@@ -49,6 +49,23 @@ class FrozenRole(Section):
                                         description="DeepSpeed settings (zero_stage 3 shards the frozen weights).")
 
 
+class ReferenceRole(FrozenRole):
+    """The frozen reference: ranks of its own, or a copy inside each policy rank (`colocate`)."""
+
+    colocate: bool = Field(False, description="Hold the reference inside the policy ranks (a frozen copy beside "
+                           "each rank's policy, plain torch) instead of ranks of its own: one role fewer to start, "
+                           "and its log-probs are computed on the policy's data-parallel shares, on every policy "
+                           "rank at once. Costs one model copy per policy rank; not with zero_stage 3 (nothing "
+                           "shards the copy). With policy.lora the policy is its own reference either way.")
+
+    @model_validator(mode="after")
+    def _colocated_is_unsharded(self) -> "ReferenceRole":
+        if self.colocate and self.deepspeed.zero_stage == 3:
+            raise ValueError("colocate: a colocated reference is a plain copy in each policy rank and cannot be "
+                             "sharded; set deepspeed.zero_stage below 3, or colocate: false")
+        return self
+
+
 class SamplingConfig(Section):
     """How the engines sample rollouts."""
 
@@ -61,12 +78,31 @@ class SamplingConfig(Section):
 class RolloutConfig(Section):
     """The vLLM rollout engines."""
 
+    model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True, populate_by_name=True)
+
+    async_: bool = Field(False, alias="async", description="One-step off-policy: the engines generate iteration "
+                         "i+1's rollouts (with the weights before update i) while the policy scores and trains on "
+                         "iteration i's. Generation overlaps training; rollouts are then at most one policy update "
+                         "old (the bound, checked every iteration and logged as `staleness`), and the policy loss is "
+                         "corrected by truncated importance weights min(pi_old / pi_rollout, tis.cap) per token. "
+                         "PPO and the critic-free algorithms alike.")
+    engine_logprobs: bool = Field(False, description="Take the old policy's log-probs from the engines (the "
+                                  "log-probs of the tokens they sampled) instead of a forward pass of the policy ranks "
+                                  "over every rollout: one pass less per iteration. Exact when the engines compute as "
+                                  "the trainer (fp32 on CPU: logprob_mismatch ~1e-6; check it before turning this on "
+                                  "with bf16 engines). With `async` the PPO ratio is then taken against the policy that "
+                                  "sampled, one update old, which needs no importance weights. `logprob_mismatch_*` is "
+                                  "not measured.")
     num_engines: int = Field(2, ge=1, description="vLLM engines, one Ray actor each.")
     cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs each engine reserves.")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's memory fraction (of CPU memory on CPU).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "SPREAD", description="Ray placement strategy of the engines' bundles.")
+
+    def max_staleness(self) -> int:
+        """Policy updates a rollout may lag the policy that trains on it."""
+        return 1 if self.async_ else 0
 
 
 class KLConfig(Section):
@@ -139,7 +175,7 @@ class PPOConfig(Section):
     rewards: RewardMix = Field(default_factory=RewardMix, description="Reward model and rule reward.")
     policy: TrainedRole = Field(default_factory=lambda: TrainedRole(num_ranks=2), description="The policy role.")
     critic: TrainedRole = Field(default_factory=lambda: TrainedRole(lr=1e-4), description="The critic role (PPO).")
-    reference: FrozenRole = Field(default_factory=FrozenRole, description="The frozen reference role.")
+    reference: ReferenceRole = Field(default_factory=ReferenceRole, description="The frozen reference role.")
     reward: FrozenRole = Field(default_factory=FrozenRole, description="The reward-model role.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of each role's ranks.")
@@ -173,7 +209,7 @@ class PPOConfig(Section):
 
     def cpus_needed(self) -> float:
         """Logical CPUs the stage reserves at once (every rank and engine holds one bundle of its CPUs)."""
-        roles = [self.policy] + ([] if self.policy.lora else [self.reference])
+        roles = [self.policy] + ([] if self.policy.lora or self.reference.colocate else [self.reference])
         roles += [self.critic] if self.algorithm == "ppo" else []
         roles += [self.reward] if self.rewards.model_weight else []
         return sum(r.num_ranks * r.cpus_per_rank for r in roles) + self.rollout.num_engines * self.rollout.cpus_per_engine

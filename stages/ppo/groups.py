@@ -40,12 +40,14 @@ class Workhorse:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def init_process_group(self, addr: str, port: int, backend: str) -> int:
+    def init_process_group(self, address: tuple[str, int], backend: str) -> int:
+        """Join the group's process group at rank 0's `address` (its `master_address()`, passed as a ref)."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
+        addr, port = address
         # The env:// names DeepSpeed and torch read; LOCAL_RANK 0 because Ray gives each actor its own GPU.
         os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(self.rank),
                            "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
@@ -64,10 +66,17 @@ class Workhorse:
 
 
 class ModelGroup:
-    """Proxy for one model placed on `num_ranks` Workhorse actors (one placement-group bundle each)."""
+    """Proxy for one model placed on `num_ranks` Workhorse actors (one placement-group bundle each).
+
+    Construction does not block: the placement group is requested, the actors created and their
+    process group joined by calls queued on them, so several roles (and the rollout engines) start
+    at once. Calls made on the group queue behind that; `ready_refs` (and `pg.ready()`) let the
+    caller wait with a timeout. An actor class's `CONCURRENCY_GROUPS` (Ray concurrency groups)
+    lets methods marked for another group run beside the default one."""
 
     def __init__(self, name: str, actor_cls: type, num_ranks: int, cpus_per_rank: float, gpu: bool,
-                 strategy: str = "PACK", env: dict[str, str] | None = None, runtime_env: dict | None = None):
+                 strategy: str = "PACK", env: dict[str, str] | None = None, runtime_env: dict | None = None,
+                 wait: bool = True):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -77,16 +86,19 @@ class ModelGroup:
         self.name = name
         bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if gpu else {})}
         self.pg = placement_group([bundle] * num_ranks, strategy=strategy, name=f"{name}-group")
-        ray.get(self.pg.ready(), timeout=300)
-        remote = ray.remote(actor_cls)
+        groups = getattr(actor_cls, "CONCURRENCY_GROUPS", None)  # declared at ray.remote, not in .options()
+        remote = ray.remote(concurrency_groups=groups)(actor_cls) if groups else ray.remote(actor_cls)
         self.actors = [
             remote.options(num_cpus=cpus_per_rank, num_gpus=1 if gpu else 0, runtime_env=runtime_env,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
             .remote(name, r, num_ranks, env or {})
             for r in range(num_ranks)
         ]
-        addr, port = ray.get(self.actors[0].master_address.remote())
-        ray.get([a.init_process_group.remote(addr, port, backend(gpu)) for a in self.actors])
+        address = self.actors[0].master_address.remote()  # resolved by Ray before the ranks' calls run
+        self.ready_refs = [a.init_process_group.remote(address, backend(gpu)) for a in self.actors]
+        if wait:
+            ray.get(self.pg.ready(), timeout=300)
+            ray.get(self.ready_refs)
 
     def __len__(self) -> int:
         return len(self.actors)

@@ -29,17 +29,27 @@ def rule_reward(spec: str):
     return fn
 
 
-def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule) -> tuple[list[float], list[float]]:
-    """(mixed score, verifier-style rule reward) per response."""
-    import ray
-
+def request_model_scores(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig) -> list | None:
+    """Start the reward model on the responses (one ref per rank; None without a reward model), so the
+    caller can issue its other passes before waiting."""
     from stages.ppo.groups import shard
+
+    if reward_group is None:
+        return None
+    pairs = [(r["prompt"], t) for t, r in zip(texts, rows)]
+    return reward_group.run_each("scores", shard(pairs, len(reward_group)), micro=cfg.micro_batch_size)
+
+
+def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule,
+          model_refs: list | None = None) -> tuple[list[float], list[float]]:
+    """(mixed score, verifier-style rule reward) per response; `model_refs` from `request_model_scores`
+    if the reward model was started already."""
+    import ray
 
     rule_scores = [float(rule(r["prompt"], t, r.get("answer") or "")) for t, r in zip(texts, rows)]
     scores = [cfg.rewards.rule_weight * s for s in rule_scores]
     if reward_group is not None:
-        pairs = [(r["prompt"], t) for t, r in zip(texts, rows)]
-        parts = ray.get(reward_group.run_each("scores", shard(pairs, len(reward_group)), micro=cfg.micro_batch_size))
+        parts = ray.get(model_refs or request_model_scores(texts, rows, reward_group, cfg))
         scores = [s + cfg.rewards.model_weight * m for s, m in zip(scores, [x for p in parts for x in p])]
     return scores, rule_scores
 

@@ -8,7 +8,7 @@ wrapped without one, so ZeRO-3 still shards them), and answers:
     setup(spec)              load the role's model from an HF directory
     generate(...)            policy ranks: send their prompt share to rollout engines
     logprobs(batch)          policy / reference: log p of each response token
-    ref_logprobs(batch)      LoRA policy: the same with its adapter off (the reference, no second copy)
+    ref_logprobs(batch)      policy: the reference's log-probs (its adapter off, or the colocated copy)
     values(batch)            critic: V(s) before each response token
     scores(pairs)            reward model: one scalar per (prompt, response)
     train_policy / train_critic   PPO epochs over this rank's share of the rollouts
@@ -27,6 +27,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
+
+import ray
 
 from stages.ppo.groups import Workhorse
 
@@ -49,7 +51,12 @@ def _micro_batches(batch: dict, size: int, generator):
 
 
 class PPOWorker(Workhorse):
-    """One rank of one PPO role (see the module docstring for its calls)."""
+    """One rank of one PPO role (see the module docstring for its calls).
+
+    `generate` runs in its own Ray concurrency group: it only waits on the engines, so with
+    `rollout.async` a policy rank sends the next iteration's prompts while it trains on this one."""
+
+    CONCURRENCY_GROUPS = {"rollout": 1}
 
     # --------------------------------------------------------------- set-up
 
@@ -81,6 +88,9 @@ class PPOWorker(Workhorse):
                               "causal" if self.kind == "causal" else "sequence", spec.get("activation_checkpointing"))
         if self.kind == "reward":
             self.tokenizer = load_tokenizer(spec["model_dir"])
+        self.reference = None  # reference.colocate: a frozen copy of the SFT policy beside the trained one
+        if spec.get("reference_dir"):
+            self.reference = load_model(spec["reference_dir"], "causal", None).requires_grad_(False).eval()
         if spec["trainable"]:
             trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec["ds_config"])
@@ -93,6 +103,7 @@ class PPOWorker(Workhorse):
 
     # --------------------------------------------------------------- rollouts
 
+    @ray.method(concurrency_group="rollout")
     def generate(self, prompt_ids: list[list[int]], engines: list, sampling: dict) -> list[list[dict]]:
         """This rank's prompts, spread over its engines: rank r uses engines r, r+W, r+2W, ... (or r mod N).
 
@@ -140,9 +151,19 @@ class PPOWorker(Workhorse):
             return torch.cat([self._logprobs(b) for b in _chunks(batch, micro)])
 
     def ref_logprobs(self, batch: dict, micro: int):
-        """The reference's log-probs on a LoRA policy: the SFT policy is this model with its adapter off."""
-        with self.engine.module.disable_adapter():
-            return self.logprobs(batch, micro)
+        """The reference's log-probs computed on a policy rank: with the colocated copy, or on a LoRA policy
+        with its adapter off (the SFT policy is this model without it)."""
+        import torch
+
+        from stages.ppo.rl import logprobs_from_logits
+
+        if self.reference is None:
+            with self.engine.module.disable_adapter():
+                return self.logprobs(batch, micro)
+        with torch.no_grad():
+            return torch.cat([logprobs_from_logits(_response_slice(b, self.reference(
+                input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits),
+                b["response_ids"]) for b in _chunks(batch, micro)])
 
     def values(self, batch: dict, micro: int):
         import torch
