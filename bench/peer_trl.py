@@ -118,7 +118,7 @@ def run_ours(run_dir: Path, size_args: list[str], steps: int, new_tokens: int, e
     phases = {k: statistics.median(m.value for m in hist(k)[1:]) for k in
               ("generate_s", "score_s", "train_s", "sync_s", "iteration_s")}
     result.update(phases={k: round(v, 4) for k, v in phases.items()},
-                  stage_startup_s=next(m.value for m in hist("startup_s")))
+                  stage_startup_s=next((m.value for m in hist("startup_s")), None))
     return result
 
 
