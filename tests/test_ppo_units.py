@@ -23,12 +23,22 @@ from pipeline.errors import ConfigError, UserError
         (["stages.ppo.rewards.rule=nonsense"], "stages.ppo.rewards.rule: must be 'verifier' or 'module:function'"),
         (["stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0"], "nothing would reward the policy"),
         (["stages.ppo.policy.deepspeed.zero_stage=4"], "stages.ppo.policy.deepspeed.zero_stage: input should be 0, 1, 2 or 3"),
+        (["stages.ppo.reference.colocate=true", "stages.ppo.reference.deepspeed.zero_stage=3"],
+         "stages.ppo.reference: colocate: a colocated reference is a plain copy in each policy rank"),
+        (["stages.ppo.rollout.asynchronous=true"], "stages.ppo.rollout.asynchronous"),
     ],
 )
 def test_bad_ppo_settings_name_the_key(tmp_path, overrides, expected):
     with pytest.raises(ConfigError) as exc:
         smoke_config(tmp_path, *overrides)
     assert expected in str(exc.value)
+
+
+def test_async_rollouts_and_a_colocated_reference_change_what_the_stage_reserves(tmp_path):
+    base = smoke_config(tmp_path).stages.ppo
+    cfg = smoke_config(tmp_path, "stages.ppo.rollout.async=true", "stages.ppo.reference.colocate=true").stages.ppo
+    assert (base.rollout.max_staleness(), cfg.rollout.max_staleness()) == (0, 1)  # `async` is the YAML key
+    assert base.cpus_needed() - cfg.cpus_needed() == base.reference.num_ranks * base.reference.cpus_per_rank
 
 
 def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tmp_path):
