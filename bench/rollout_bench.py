@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--iterations", type=int, default=4, help="PPO iterations for the time split (0: skip)")
+    ap.add_argument("--engine-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment of the engine actors (e.g. LD_PRELOAD=libtcmalloc_minimal.so.4)")
     args = ap.parse_args()
     shutil.rmtree(OUT, ignore_errors=True)
     model_dir = build(args)
@@ -189,7 +191,7 @@ def main() -> None:
     pool = None
     try:
         print(f"starting {args.engines} vLLM engines ...", flush=True)
-        spec = EngineSpec(max_model_len=512, kv_cache_gb=1.0)
+        spec = EngineSpec(max_model_len=512, kv_cache_gb=1.0, env=dict(kv.split("=", 1) for kv in args.engine_env))
         pool = EnginePool(str(model_dir), spec, args.engines, "PACK", engine_cls=pickled_engine_cls())
         vllm_tokens_per_s(pool, prompts[:4], 1, 4)  # warm-up
         vl = {m: vllm_tokens_per_s(pool, prompts, args.n, m) for m in lengths}
