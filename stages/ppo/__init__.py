@@ -14,8 +14,11 @@ The driver is one loop, `run()`, reading top to bottom on one screen:
     sample prompts -> generate -> score -> reference/policy log-probs, values -> advantages
     -> PPO epochs (policy and critic) -> sync weights to the engines -> log -> checkpoint
 
-with set-up (`_start`), the held-out evaluation (`scoring.evaluate`, `_finish`) and teardown
-(`_Session.close`) in named helpers beside it. The package:
+with set-up (`_start`: every role and engine starts at once), generation requests (`_request`
+launches, `_collect` waits; with `rollout.async` the next iteration's request is launched before
+this one trains, one-step off-policy, and `staleness` is checked and logged), the held-out
+evaluation (`scoring.evaluate`, `_finish`) and teardown (`_Session.close`) in named helpers beside
+it. The scoring passes (reward model, reference, old policy, critic) are issued together. The package:
 
     __init__.py  this loop                        config.py   the typed config (PPOConfig)
     rl.py        the pure RL math (tested)        scoring.py  rewards, evaluation, sign test
