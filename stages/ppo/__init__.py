@@ -52,6 +52,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -145,9 +146,14 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
-    s = _Session(load_tokenizer(sft), rule_reward(cfg.rewards.rule), train_rows, eval_rows)
+    rule = rule_reward(cfg.rewards.rule)
+    # Loading the tokenizer (importing transformers, ~4 s of CPU) overlaps Ray's start-up, which mostly
+    # waits on the daemons it spawns. ctx.ray() stays on the main thread (it installs a signal handler).
+    with ThreadPoolExecutor(1) as loader:
+        tok = loader.submit(load_tokenizer, sft)
+        ctx.ray()
+        s = _Session(tok.result(), rule, train_rows, eval_rows)
     gpu, seed, ppo = use_gpu(), ctx.pipeline.seed, cfg.algorithm == "ppo"
-    ctx.ray()
     _check_cluster(cfg)
     lora_ref = cfg.policy.lora is not None  # the reference is the LoRA policy with its adapter off
     in_policy = lora_ref or cfg.reference.colocate  # no reference ranks of its own
