@@ -31,7 +31,9 @@ Ours are read back from the ppo stage's MLflow metrics (each iteration's end tim
 TRL's from a `TrainerCallback`.
 
 `--json PATH` writes a list with one object per size (the default first): `size`, `params`, and
-`ours` / `trl`, each with the keys above.
+`ours` / `trl`, each with the keys above. `--repeats R` runs the two sides R times, alternating,
+and reports the medians, with every run under `runs`: the machine's speed drifts by 10-40%
+between invocations, and one pair can land on either side of it.
 """
 
 from __future__ import annotations
@@ -224,29 +226,49 @@ def main() -> None:
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "peer", help="where the pipeline runs live")
     ap.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE", help="extra overrides for our side")
     ap.add_argument("--skip-trl", action="store_true", help="our side only (TRL's figures are then absent)")
-    ap.add_argument("--json", type=Path, help="write the results here (one object per size)")
+    ap.add_argument("--repeats", type=int, default=1, help="run both sides this many times, alternating; the "
+                    "figures are the medians (each run is kept under `runs`)")
+    ap.add_argument("--json", type=Path, help="write the results here (one object per size; the sizes not run "
+                    "this time are kept from the file)")
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         spec = json.loads(args.trl_worker)
         Path(spec["result"]).write_text(json.dumps(trl_worker(spec)))
         return
+    kept = json.loads(args.json.read_text()) if args.json and args.json.exists() else []
     results = []
     for size in args.sizes:
         run_dir, new_tokens = args.run_dir / size, 16 if size == "default" else 64
         size_args, sft_dir, prompts = prepare(run_dir, size, args.sft_steps)
-        ours = run_ours(run_dir, size_args, args.steps, new_tokens, args.ours_set)
-        trl = None if args.skip_trl else run_trl(sft_dir, prompts, args.steps, new_tokens, 0)
-        result = {"size": size, "params": trl["params"] if trl else None, "new_tokens": new_tokens, "ours": ours,
-                  "trl": trl, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+        ours, trl = [], []
+        for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits both sides
+            ours.append(run_ours(run_dir, size_args, args.steps, new_tokens, args.ours_set))
+            if not args.skip_trl:
+                trl.append(run_trl(sft_dir, prompts, args.steps, new_tokens, 0))
+        result = {"size": size, "params": trl[0]["params"] if trl else None, "new_tokens": new_tokens,
+                  "ours": medians(ours), "trl": medians(trl) if trl else None, "repeats": args.repeats,
+                  "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("ours", "trl")} | {
-            who: {k: v for k, v in (result[who] or {}).items() if k != "rewards"} for who in ("ours", "trl")}),
+            who: {k: v for k, v in (result[who] or {}).items() if k not in ("rewards", "runs")} for who in ("ours", "trl")}),
             file=sys.stderr, flush=True)
         if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
+            done = {r["size"] for r in results}
+            merged = sorted(results + [r for r in kept if r["size"] not in done], key=lambda r: r["size"] != "default")
+            tmp = args.json.with_suffix(".tmp")
+            tmp.write_text(json.dumps(merged, indent=1))
+            tmp.replace(args.json)
     if all(r["trl"] for r in results):
         print(table(results))
+
+
+def medians(runs: list[dict]) -> dict:
+    """The median of each figure over the repeats (a single run as is), every run kept under `runs`."""
+    if len(runs) == 1:
+        return runs[0]
+    keys = ("per_step_s", "startup_s", "wall_s", "reward_first", "reward_last")
+    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"runs": runs}
 
 
 if __name__ == "__main__":
