@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -93,6 +95,12 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
         before = engine_tokens()
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         assert before[0] == before[1] == _hf_greedy(model, prompts, n)  # same start on both engines
+
+        from stages.common.engines import tcmalloc
+
+        if tcmalloc():  # installed by scripts/setup.sh: the engines' processes run with it preloaded
+            pid = ray.get(pool.engines[0].ping.remote())
+            assert "libtcmalloc" in Path(f"/proc/{pid}/maps").read_text()
 
         # A "policy update": new weights in the trainer, then one put and a sync.
         torch.manual_seed(2)
