@@ -122,14 +122,14 @@ class PPOWorker(Workhorse):
 
     # --------------------------------------------------------------- forward passes
 
-    def _forward(self, batch: dict):
-        return self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                           position_ids=batch["position_ids"])
+    def _forward(self, batch: dict, model=None):
+        return (model or self.engine)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                      position_ids=batch["position_ids"])
 
-    def _logprobs(self, batch: dict, with_entropy: bool = False):
+    def _logprobs(self, batch: dict, with_entropy: bool = False, model=None):
         from stages.ppo.rl import entropy_from_logits, logprobs_from_logits
 
-        logits = _response_slice(batch, self._forward(batch).logits)
+        logits = _response_slice(batch, self._forward(batch, model).logits)
         logp = logprobs_from_logits(logits, batch["response_ids"])
         return (logp, entropy_from_logits(logits)) if with_entropy else logp
 
@@ -143,27 +143,20 @@ class PPOWorker(Workhorse):
                               position_ids=batch["position_ids"]).last_hidden_state
         return _response_slice(batch, module.score(hidden)).squeeze(-1).float()
 
-    def logprobs(self, batch: dict, micro: int):
-        """log p(response token) under this model, (B, T); no gradient."""
+    def logprobs(self, batch: dict, micro: int, model=None):
+        """log p(response token) under this model (or `model`), (B, T); no gradient."""
         import torch
 
         with torch.no_grad():
-            return torch.cat([self._logprobs(b) for b in _chunks(batch, micro)])
+            return torch.cat([self._logprobs(b, model=model) for b in _chunks(batch, micro)])
 
     def ref_logprobs(self, batch: dict, micro: int):
         """The reference's log-probs computed on a policy rank: with the colocated copy, or on a LoRA policy
         with its adapter off (the SFT policy is this model without it)."""
-        import torch
-
-        from stages.ppo.rl import logprobs_from_logits
-
-        if self.reference is None:
-            with self.engine.module.disable_adapter():
-                return self.logprobs(batch, micro)
-        with torch.no_grad():
-            return torch.cat([logprobs_from_logits(_response_slice(b, self.reference(
-                input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits),
-                b["response_ids"]) for b in _chunks(batch, micro)])
+        if self.reference is not None:
+            return self.logprobs(batch, micro, model=self.reference)
+        with self.engine.module.disable_adapter():
+            return self.logprobs(batch, micro)
 
     def values(self, batch: dict, micro: int):
         import torch
