@@ -216,7 +216,7 @@ _OUTCOME = {EXIT_OK: "succeeded", EXIT_FAILED: "failed", EXIT_USER: "config_erro
 
 def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
     """The `run --json` document: the outcome and, per stage, what happened and where its results are."""
-    from pipeline import artifacts
+    from pipeline import storage
 
     stages = []
     for p in summary.get("plan", []):
@@ -228,13 +228,13 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
             status = "skip"
         else:
             status = "failed" if summary.get("running") == name else "not_run"
-        out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key) if p.key else None
+        out_dir = storage.artifact_dir(cfg.run_dir, name, p.key) if p.key else None
         metrics = (manifest or {}).get("metrics", {})
         stages.append({
             "name": name, "status": status, "reason": p.reason, "cache_key": p.key,
             "duration_s": summary.get("durations", {}).get(name),
             "artifact": str(out_dir) if manifest is not None or (status == "skip" and p.finished) else None,
-            "outputs": {k: str(v) for k, v in artifacts.output_paths(manifest, out_dir).items()} if manifest else {},
+            "outputs": {k: str(v) for k, v in storage.output_paths(manifest, out_dir).items()} if manifest else {},
             "mlflow_run_id": summary.get("run_ids", {}).get(name),
             "outcomes": outcomes.headline(p.spec.outcomes, metrics), "outcome": outcomes.describe(p.spec.outcomes, metrics),
         })
@@ -246,12 +246,12 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
 
 def registered_model(cfg, summary: dict) -> str | None:
     """The registry URI the serve stage moved its alias to in this run (None without one)."""
-    from pipeline import artifacts
+    from pipeline import storage
 
     manifest, plan = summary.get("stages", {}).get("serve"), {p.spec.name: p for p in summary.get("plan", [])}
     if manifest is None or cfg is None:
         return None
-    path = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "serve", plan["serve"].key))
+    path = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, "serve", plan["serve"].key))
     try:
         return json.loads(Path(path["served_model"]).read_text())["uri"]
     except (KeyError, OSError, ValueError):

@@ -1,11 +1,6 @@
-"""Artifacts on disk, cache keys and fingerprints.
+"""Cache keys and fingerprints: hashing, the code a stage runs, library versions, atomic JSON.
 
-Layout under `run_dir`:
-
-    artifacts/<stage>/<key>/            the stage's outputs
-    artifacts/<stage>/<key>/manifest.json   written last, atomically: the artifact exists iff this does
-    artifacts/<stage>/attempt.json      components of the last attempted key (to explain misses)
-    checkpoints/<stage>/<key>/          training checkpoints, kept across attempts (resume)
+Where artifacts live and what makes one finished is `pipeline.storage` (the artifact store).
 
 A cache key is a hash of (stage name, its resolved config, the source of its code, upstream
 keys, fingerprints of raw input files). "Its code" is found by reading the stage module's
@@ -25,7 +20,6 @@ from typing import Any
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_PACKAGES = ("pipeline", "stages")
-MANIFEST = "manifest.json"
 
 
 # --------------------------------------------------------------------------- hashing
@@ -174,7 +168,7 @@ class FingerprintCache:
             write_json_atomic(self.path, self.memo)
 
 
-# --------------------------------------------------------------------------- manifests
+# --------------------------------------------------------------------------- files
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -198,83 +192,3 @@ def read_json(path: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
-
-
-def artifact_dir(run_dir: Path, stage: str, key: str) -> Path:
-    return run_dir / "artifacts" / stage / key
-
-
-def checkpoint_dir(run_dir: Path, stage: str, key: str) -> Path:
-    return run_dir / "checkpoints" / stage / key
-
-
-def attempt_file(run_dir: Path, stage: str) -> Path:
-    return run_dir / "artifacts" / stage / "attempt.json"
-
-
-# Files up to this size get a content hash in the manifest; larger ones (model weights) their size.
-HASHED_FILE_BYTES = 1 << 20
-
-
-def file_records(out_dir: Path) -> dict[str, dict]:
-    """{relative path: {"size", "sha256" for small files}} of everything a stage wrote: what its
-    manifest vouches for, checked on every later use (`damage`)."""
-    records = {}
-    for f in sorted(out_dir.rglob("*")):
-        if f.is_file() and f.name != MANIFEST:
-            size = f.stat().st_size
-            records[str(f.relative_to(out_dir))] = {"size": size, **(
-                {"sha256": sha256_file(f)} if size <= HASHED_FILE_BYTES else {})}
-    return records
-
-
-def damage(manifest: dict, out_dir: Path) -> str | None:
-    """What no longer matches the manifest's file records (missing, resized, edited), or None."""
-    for rel, rec in manifest.get("files", {}).items():
-        f = out_dir / rel
-        if not f.is_file():
-            return f"{rel} is missing"
-        size = f.stat().st_size
-        if size != rec["size"]:
-            return f"{rel} has {size} bytes, {rec['size']} when it was made"
-        if "sha256" in rec and sha256_file(f) != rec["sha256"]:
-            return f"{rel} changed after it was made"
-    return None
-
-
-def _checked_manifest(run_dir: Path, stage: str, key: str) -> tuple[dict | None, str | None]:
-    """(the manifest for `key`, or None; what no longer matches its file records, or None)."""
-    manifest = read_json(artifact_dir(run_dir, stage, key) / MANIFEST)
-    if not manifest or manifest.get("key") != key:
-        return None, None
-    return manifest, damage(manifest, artifact_dir(run_dir, stage, key))
-
-
-def read_manifest(run_dir: Path, stage: str, key: str) -> dict | None:
-    """The manifest of a finished artifact, or None (missing, partial, corrupt, or an output file
-    missing or changed since it was made: not an artifact)."""
-    manifest, problem = _checked_manifest(run_dir, stage, key)
-    return manifest if problem is None else None
-
-
-def damaged_reason(run_dir: Path, stage: str, key: str) -> str | None:
-    """Why a finished artifact for `key` no longer counts ('output damaged: ...'), or None."""
-    _, problem = _checked_manifest(run_dir, stage, key)
-    return f"output damaged: {problem}" if problem else None
-
-
-def replace_dir(new: Path, dest: Path) -> None:
-    """Put directory `new` at `dest`, replacing what is there; the old copy is removed only after."""
-    import shutil
-
-    old = dest.with_name(f".{dest.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def output_paths(manifest: dict, out_dir: Path) -> dict[str, Path]:
-    """Outputs recorded relative to the artifact dir resolve against it; external paths stay."""
-    return {name: (out_dir / p) if not Path(p).is_absolute() else Path(p) for name, p in manifest["outputs"].items()}

@@ -3,10 +3,10 @@
     plan = build_plan(cfg, only=["data"])      # keys, hit/miss and why; starts nothing
     run_pipeline(cfg, plan, config_path)       # lock run_dir, run misses, track everything
 
-A stage's artifact is reused when a finished artifact (one with a manifest) exists under its
-cache key. A miss clears any partial output left by an interrupted attempt, runs the stage into
-`artifacts/<stage>/<key>/` and writes the manifest last, atomically. Ray is started only when a
-stage asks for it (`ctx.ray()`), so a fully cached rerun never starts it.
+A stage's artifact is reused when a finished, undamaged copy exists under its cache key, in
+run_dir or in the bucket. A miss builds into a clean work directory and commits it, manifest
+last; every step of that goes through the artifact store (`pipeline.storage.ArtifactStore`). Ray
+is started only when a stage asks for it (`ctx.ray()`), so a fully cached rerun never starts it.
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def _diff(old: dict, new: dict) -> str:
     return ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
 
 
-def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
+def explain_miss(store: storage.ArtifactStore, spec: StageSpec, key: str, comps: dict) -> str:
     """Why a stage has no artifact for this key, compared with its last attempt."""
-    last = artifacts.read_json(artifacts.attempt_file(run_dir, spec.name))
+    last = store.last_attempt(spec.name)
     if not last:
         return "never run"
     if last.get("key") == key:
@@ -158,20 +158,16 @@ def explain_miss(run_dir: Path, spec: StageSpec, key: str, comps: dict) -> str:
     return "; ".join(reasons) or "changed"
 
 
-def tuned_values(run_dir: Path, tune_key: str, store: storage.ObjectStore | None = None) -> dict | None:
+def tuned_values(store: storage.ArtifactStore, tune_key: str) -> dict | None:
     """The finished sweep's best values ({field path: value}), or None if it has not run.
 
     Read from the bucket when only the bucket has the sweep (planning writes nothing locally)."""
-    manifest = artifacts.read_manifest(run_dir, "tune", tune_key)
-    if manifest is not None:
-        path = artifacts.output_paths(manifest, artifacts.artifact_dir(run_dir, "tune", tune_key))["best_config"]
-        best = artifacts.read_json(path)
-    elif store is not None and (manifest := storage.remote_manifest(store, "tune", tune_key)) is not None:
-        raw = store.read_bytes(f"artifacts/tune/{tune_key}/{manifest['outputs']['best_config']}")
+    raw = store.read_output("tune", tune_key, "best_config")
+    try:
         best = json.loads(raw) if raw else None
-    else:
+    except ValueError:
         return None
-    return best["params"] if best else None
+    return best["params"] if isinstance(best, dict) and "params" in best else None
 
 
 class Planner:
@@ -184,9 +180,10 @@ class Planner:
     its key is unknown (None), and so is every key downstream of it.
     """
 
-    def __init__(self, cfg: PipelineConfig, stages: list[StageSpec], chosen: set[str], forced: set[str], fps):
-        self.cfg, self.stages, self.chosen, self.forced, self.fps = cfg, stages, chosen, forced, fps
-        self.store = storage.from_config(cfg)
+    def __init__(self, cfg: PipelineConfig, stages: list[StageSpec], chosen: set[str], forced: set[str],
+                 store: storage.ArtifactStore):
+        self.cfg, self.stages, self.chosen, self.forced, self.store = cfg, stages, chosen, forced, store
+        self.fps = store.fps
         self.producer = {o: s.name for s in stages for o in s.outputs}
         self.keys: dict[str, str | None] = {}
 
@@ -196,7 +193,7 @@ class Planner:
         upstream = {i: self.keys[self.producer[i]] for i in spec.inputs}
         stage_cfg = get_path(cfg, spec.config)
         if "best_config" in spec.inputs and upstream["best_config"] is not None:
-            values = tuned_values(cfg.run_dir, upstream["best_config"], self.store)
+            values = tuned_values(self.store, upstream["best_config"])
             if values is None:
                 upstream["best_config"] = None
             else:
@@ -214,19 +211,18 @@ class Planner:
             return PlannedStage(spec, None, {"upstream": upstream}, status_if("miss"), why, False, stage_cfg)
         comps = components(cfg, spec, upstream, self.fps, stage_cfg)
         key = self.keys[spec.name] = artifacts.hash_json(comps)
-        local = artifacts.read_manifest(cfg.run_dir, spec.name, key) is not None
-        remote = not local and self.store is not None and storage.remote_manifest(self.store, spec.name, key) is not None
-        finished = local or remote
+        found = self.store.lookup(spec.name, key)
+        finished = found.found
         always = load_stage(spec.module).always_runs(stage_cfg)
         if spec.name in self.chosen and spec.name in self.forced:
             status, reason = "miss", FORCED
         elif always:
             status, reason = "miss", always
         elif finished:
-            status, reason = "hit", f"cached ({key})" if local else f"cached in {self.store.uri} ({key})"
+            status, reason = "hit", f"cached ({key})" if found.where == "here" else (
+                f"cached in {self.store.bucket.uri} ({key})" + (f"; here: {found.problem}" if found.problem else ""))
         else:
-            status, reason = "miss", (artifacts.damaged_reason(cfg.run_dir, spec.name, key)
-                                      or explain_miss(cfg.run_dir, spec, key, comps))
+            status, reason = "miss", found.problem or explain_miss(self.store, spec, key, comps)
         return PlannedStage(spec, key, comps, status_if(status), reason, finished, stage_cfg)
 
 
@@ -243,14 +239,13 @@ def selection(cfg: PipelineConfig, only=(), from_=None, to=None, force=(),
     return stages, chosen, forced
 
 
-def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(), fps=None,
+def build_plan(cfg: PipelineConfig, only=(), from_=None, to=None, force=(),
                registry: tuple[StageSpec, ...] | None = None, planner: Planner | None = None) -> list[PlannedStage]:
     """Cache key, hit/miss and the reason for every stage. Reads files, writes and starts nothing.
 
     With `planner` (already holding a validated selection) the selection arguments are not used."""
     if planner is None:
-        fps = fps or artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
-        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), fps)
+        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), storage.ArtifactStore.of(cfg))
     plan = [planner.key(spec) for spec in planner.stages]
     _check_needed(plan, planner.chosen)
     return plan
@@ -413,56 +408,33 @@ def _sigterm_as_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-def _run_stage(cfg: PipelineConfig, p: PlannedStage, ctx: RunContext) -> dict:
-    """Execute one missed stage into its artifact dir and write its manifest last.
+def _run_stage(store: storage.ArtifactStore, p: PlannedStage, ctx: RunContext) -> dict:
+    """Execute one missed stage in a clean work directory and commit it as the artifact.
 
-    A rerun over a finished artifact (`--force`, or a stage that always runs) builds into a staging
-    directory and replaces the artifact only once it has succeeded, so a failed rerun leaves the
-    last good result usable, locally and in the bucket. A forced stage also starts from scratch:
-    its checkpoints from earlier attempts are removed first (locally and in the bucket)."""
-    final = ctx.out_dir
-    staged = artifacts.read_manifest(cfg.run_dir, p.spec.name, p.key) is not None
-    if staged:
-        ctx.out_dir = final.with_name(f".{p.key}.staging")
-    if ctx.out_dir.exists():  # partial output of an interrupted attempt (never a finished artifact)
-        (ctx.out_dir / artifacts.MANIFEST).unlink(missing_ok=True)  # first: a half-deleted dir is never a hit
-        shutil.rmtree(ctx.out_dir)
-    ctx.out_dir.mkdir(parents=True)
-    if p.reason == FORCED:
-        shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)
-        ctx.storage.drop_path(ctx.checkpoint_dir)
-    store = storage.from_config(cfg)
-    if store is not None and storage.remote_manifest(store, p.spec.name, p.key) is None:
-        storage.clear_artifact(store, p.spec.name, p.key)  # what an interrupted attempt left there
-    artifacts.write_json_atomic(artifacts.attempt_file(cfg.run_dir, p.spec.name),
-                                {"key": p.key, "components": p.components, "pid": os.getpid()})
+    The store builds every attempt in a staging directory and replaces the finished copy (in the
+    bucket, then in run_dir) only once the stage succeeded, so a failed rerun leaves the last good
+    result usable in both. A forced stage also starts from scratch: its checkpoints from earlier
+    attempts are removed first (locally and in the bucket)."""
+    name = p.spec.name
+    ctx.out_dir = store.begin(name, p.key, fresh=p.reason == FORCED)
+    store.record_attempt(name, p.key, p.components)
     start = time.time()
-    if os.environ.get("PIPELINE_FAULT_IN_STAGE") == p.spec.name:  # fault drills: a stage that crashes
-        raise RuntimeError(f"injected fault in stage '{p.spec.name}' (PIPELINE_FAULT_IN_STAGE)")
-    outputs = load_stage(p.spec.module).run(p.config if p.config is not None else get_path(cfg, p.spec.config), ctx)
+    if os.environ.get("PIPELINE_FAULT_IN_STAGE") == name:  # fault drills: a stage that crashes
+        raise RuntimeError(f"injected fault in stage '{name}' (PIPELINE_FAULT_IN_STAGE)")
+    outputs = load_stage(p.spec.module).run(p.config if p.config is not None else get_path(ctx.pipeline, p.spec.config),
+                                            ctx)
     missing = [o for o in p.spec.outputs if o not in outputs or not Path(outputs[o]).exists()]
     if missing:
-        raise RuntimeError(f"stage '{p.spec.name}' did not produce {missing}")
-    manifest = {
-        "stage": p.spec.name, "key": p.key, "components": p.components, "metrics": ctx.metrics,
+        raise RuntimeError(f"stage '{name}' did not produce {missing}")
+    fields = {
+        "components": p.components, "metrics": ctx.metrics,
         "outputs": {o: str(Path(outputs[o]).relative_to(ctx.out_dir)) if Path(outputs[o]).is_relative_to(ctx.out_dir)
                     else str(outputs[o]) for o in p.spec.outputs},
-        "files": artifacts.file_records(ctx.out_dir),
         "duration_s": round(time.time() - start, 3), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "code_version": git_version(), "host": socket.gethostname(),
     }
-    artifacts.write_json_atomic(ctx.out_dir / artifacts.MANIFEST, manifest)
-    if staged:
-        artifacts.replace_dir(ctx.out_dir, final)
-        ctx.storage.drop_path(ctx.out_dir)  # the staging copy the data stage may have written through
-        ctx.out_dir = final
-    if store is not None:
-        t0 = time.time()
-        if staged:  # the bucket's copy is the previous result: replaced only now that the new one exists
-            storage.clear_artifact(store, p.spec.name, p.key)
-        sent = storage.push_artifact(store, cfg.run_dir, p.spec.name, p.key)
-        ctx.progress(f"pushed {sent / 2**20:.1f} MiB to {store.url(f'artifacts/{p.spec.name}/{p.key}')} "
-                     f"in {time.time() - t0:.1f}s")
+    manifest = store.commit(name, p.key, fields, ctx.progress)
+    ctx.out_dir = store.local_dir(name, p.key)
     return manifest
 
 
@@ -475,7 +447,7 @@ def _attach_log(tracker, run_id: str, log_path: Path | None) -> None:
             pass
 
 
-def _record_lineage(cfg, tracker, run_id: str, p, manifest: dict, by_name: dict, producer: dict, console) -> None:
+def _record_lineage(store, tracker, run_id: str, p, manifest: dict, by_name: dict, producer: dict, console) -> None:
     """The stage run's datasets and models in MLflow (`pipeline.lineage`); a failure to record them
     is reported, not fatal: the stage's result is good either way."""
     from pipeline import lineage
@@ -484,12 +456,23 @@ def _record_lineage(cfg, tracker, run_id: str, p, manifest: dict, by_name: dict,
     for inp in p.spec.inputs:
         up = by_name[producer[inp]]
         if up.key:
-            inputs[inp] = (artifacts.artifact_dir(cfg.run_dir, up.spec.name, up.key), up.key)
-    outputs = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, p.spec.name, p.key))
+            inputs[inp] = (store.local_dir(up.spec.name, up.key), up.key)
+    outputs = storage.output_paths(manifest, store.local_dir(p.spec.name, p.key))
     try:
         lineage.record(tracker.client, tracker.experiment_id, run_id, p.spec.name, p.key, inputs, outputs)
     except Exception as exc:  # noqa: BLE001 - MLflow's client raises many kinds
         console.print(f"[yellow]{p.spec.name}: could not record its datasets and models in MLflow ({exc})[/]")
+
+
+def _use_hit(store: storage.ArtifactStore, p: PlannedStage, console) -> dict | None:
+    """A hit's manifest, once the artifact is here (pulled) and in the bucket (pushed). None when
+    the bucket's copy turned out damaged while it downloaded: the stage then runs as a miss."""
+    try:
+        return store.ensure_local(p.spec.name, p.key, console.print)
+    except storage.ContentMismatch as exc:
+        console.print(f"[yellow]{p.spec.name}: the cached copy in the bucket is damaged ({exc}); rebuilding it[/]")
+        p.status, p.reason = "miss", f"damaged in the bucket: {exc}"
+        return None
 
 
 def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_=None, to=None, force=(),
@@ -503,17 +486,17 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     from pipeline.tracking import Tracker
 
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
-    store = storage.from_config(cfg)
-    storage.check(store)
+    run_storage = storage.RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
+    store = run_storage.artifacts  # the one artifact store of this run: planner, runner, workers' pulls
+    storage.check(store.bucket)
     previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     # Library output (Ray, vLLM, DeepSpeed, MLflow) goes to <run_dir>/logs when the command line routes it.
     with RunLock(cfg.run_dir), console_mod.run_logs(cfg.run_dir):
-        fps = artifacts.FingerprintCache(cfg.run_dir / "fingerprints.json")
         # The planner keys every stage up front (validation, the plan shown); each selected stage is
         # keyed again just before it runs, from the keys its upstream stages ran with.
-        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), fps)
+        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), store)
         plan = build_plan(cfg, planner=planner)
-        fps.save()
+        store.fps.save()
         active = [p for p in plan if p.status != "skip"]
         by_name = {p.spec.name: p for p in plan}
         producer = {o: p.spec.name for p in plan for o in p.spec.outputs}
@@ -529,7 +512,6 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
         summary["parent_run_id"] = tracker.parent_id
         tracker.log_dict(tracker.parent_id, cfg.model_dump(mode="json"), "resolved_config.json")
         status, run_id, ctx, log_path = "FINISHED", None, None, None
-        run_storage = storage.RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
         try:
             for i in range(1, len(active) + 1):
                 p = planner.key(active[i - 1].spec)
@@ -549,28 +531,22 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
                 # the command line captures it; the log is attached to the stage's MLflow run, failed or not.
                 # A cache hit keeps the log of the run that made its artifact.
                 with console_mod.stage_log(name) if p.status != "hit" else contextlib.nullcontext() as log_path:
-                    out_dir = artifacts.artifact_dir(cfg.run_dir, name, p.key)
-                    if p.status == "hit":
-                        if store is not None:
-                            storage.sync_artifact(store, cfg.run_dir, name, p.key, console.print)
-                        manifest = artifacts.read_manifest(cfg.run_dir, name, p.key)
+                    manifest = _use_hit(store, p, console) if p.status == "hit" else None
+                    if manifest is not None:
                         tracker.log_metrics(run_id, manifest.get("metrics", {}))
                     else:
                         inputs, upstream = {}, {}
                         for inp in p.spec.inputs:
                             up = by_name[producer[inp]]
-                            if store is not None:
-                                storage.sync_artifact(store, cfg.run_dir, up.spec.name, up.key, console.print)
-                            upstream[inp] = artifacts.read_manifest(cfg.run_dir, up.spec.name, up.key)
-                            inputs[inp] = artifacts.output_paths(upstream[inp], artifacts.artifact_dir(
-                                cfg.run_dir, up.spec.name, up.key))[inp]
-                        ctx = RunContext(name, cfg, out_dir, artifacts.checkpoint_dir(cfg.run_dir, name, p.key),
+                            upstream[inp] = store.ensure_local(up.spec.name, up.key, console.print)
+                            inputs[inp] = storage.output_paths(upstream[inp], store.local_dir(up.spec.name, up.key))[inp]
+                        ctx = RunContext(name, cfg, store.local_dir(name, p.key), store.checkpoint_dir(name, p.key),
                                          inputs, console, tracker, run_id, run_storage, upstream)
-                        manifest = _run_stage(cfg, p, ctx)
+                        manifest = _run_stage(store, p, ctx)
                         summary["started_ray"] |= ctx.started_ray
                 _attach_log(tracker, run_id, log_path)
                 tracker.log_dict(run_id, manifest, "manifest.json")
-                _record_lineage(cfg, tracker, run_id, p, manifest, by_name, producer, console)
+                _record_lineage(store, tracker, run_id, p, manifest, by_name, producer, console)
                 tracker.end(run_id)
                 summary["stages"][name] = manifest
                 summary["run_ids"][name] = run_id

@@ -1,32 +1,52 @@
-"""Object storage (`storage.uri: s3://bucket/prefix`): the run's artifacts and training checkpoints in a bucket.
+"""The artifact store: `artifacts/<stage>/<key>` on disk and, with `storage.uri: s3://...`, in a bucket.
 
-Without it, `run_dir` is the storage of record, and on a multi-node cluster it must be a path
-every node mounts (`pipeline.cluster.check_shared_storage`). With it, the bucket is the storage of
-record and `run_dir` becomes each machine's working copy:
+Every reader and writer of finished artifacts goes through `ArtifactStore` (the runner, the
+planner, `tuned_values`, the workers' `RunStorage.localize`): the layout is spelled here and
+nowhere else, and so are the rules that keep a result from being lost or taken when it is bad.
 
-- a finished artifact is pushed to `<uri>/artifacts/<stage>/<key>/` after its manifest is written
-  locally, the manifest uploaded last: a remote artifact without a manifest (an interrupted
-  upload) is never taken as finished, exactly as locally;
-- a cache lookup that misses locally looks in the bucket and pulls the artifact into `run_dir`
-  (a new machine, a wiped disk or another node reuses what any run produced);
-- Ray Train checkpoints go to `<uri>/checkpoints/<stage>/<key>/` through Ray Train's own
-  `storage_filesystem`, so a restarted worker group on any node resumes from them;
-- Ray Data reads the stage inputs from the bucket (its read tasks run on any node), and a
-  worker process opening a model directory calls `localize`, which pulls the artifact holding it
-  when this node has no copy.
+    store = ArtifactStore.of(cfg)          # built once per run
+    store.lookup("sft", key)               # Lookup: "here", "bucket" or "missing" (damage named)
+    work = store.begin("sft", key)         # a clean work directory (always a staging directory)
+    ... the stage writes into work ...
+    manifest = store.commit("sft", key, fields)   # manifest last; bucket, then disk, replaced whole
+
+The rules (docs/architecture.md, "The artifact store"):
+
+- **An artifact exists only with its manifest**, written last, and the manifest records the size
+  and SHA-256 of *every* file. A copy whose files do not match it is damaged: a miss, with the
+  reason, never a traceback and never a hit. On disk the hashes are checked with a memo on (size,
+  mtime) (`FingerprintCache`), so a multi-GB checkpoint is hashed once at disk speed; in the bucket
+  each file's ETag is compared with the one recorded when it was uploaded (one HEAD per file, no
+  download).
+- **Pulls and pushes compare content, never size**: a pull hashes what it downloads and refuses
+  bytes that are not the manifest's; a push hashes what it uploads. Two safetensors shards of the
+  same model always have the same size.
+- **No window without a good copy.** A stage always builds into `artifacts/<stage>/.staging/<key>`.
+  In the bucket each committed copy lives under its own prefix (`artifacts/<stage>/<key>/<copy>/`)
+  and the manifest at `artifacts/<stage>/<key>/manifest.json` names it: a commit uploads the new
+  copy beside the old one, then replaces the manifest in one PUT, then deletes the old copy. On
+  disk the finished directory and the staging one are exchanged in one `renameat2(RENAME_EXCHANGE)`;
+  where the filesystem lacks it, two renames whose failure puts the old copy back (and a lookup
+  restores an old copy left aside by a process killed between them). A failed commit leaves the
+  last good copy readable in both places.
+- **Storage errors are errors**: only "no such object" reads as missing; anything else
+  (credentials, network, throttling) raises `StorageError` naming the object.
+
+Without a bucket, `run_dir` is the storage of record, and on a multi-node cluster it must be a
+path every node mounts (`pipeline.cluster.check_shared_storage`). With one, the bucket is the
+storage of record and `run_dir` is each machine's working copy: a local miss pulls, a local-only
+artifact is pushed when next used, Ray Train checkpoints go to `<uri>/checkpoints/<stage>/<key>/`
+through Ray Train's `storage_filesystem`, and Ray Data reads stage inputs from the bucket.
 
 Workers learn about the store from a `RunStorage` value the stage passes to every worker it
 creates (no environment variable); Ray Data and Ray Train get the bucket's filesystem object
 itself (`RunStorage.target`).
-
-We use pyarrow's `S3FileSystem` rather than boto3: pyarrow is already what Ray Data and Ray
-Train use for `s3://`, and it speaks to any S3-compatible endpoint (`endpoint_url`: MinIO, Ceph,
-GCS's interoperability API). Credentials come from the usual AWS sources (AWS_ACCESS_KEY_ID /
-AWS_SECRET_ACCESS_KEY, ~/.aws, an instance role).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -34,15 +54,23 @@ import shutil
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from pydantic import Field, field_validator
 
-from pipeline.artifacts import MANIFEST, read_manifest
+from pipeline.artifacts import FingerprintCache, read_json, sha256_file, write_json_atomic
+from pipeline.bucket import ContentMismatch, ObjectStore, probe, safe_relative
 from pipeline.errors import StorageError, UserError
 from pipeline.schema import Section
+
+MANIFEST = "manifest.json"
+ARTIFACTS = "artifacts"
+STAGING = ".staging"  # artifacts/<stage>/.staging/<key>: where a stage builds (its name is still the key)
+ASIDE = ".old"  # artifacts/<stage>/.old/<key>: a finished copy set aside during a two-rename swap
+
 
 class StorageConfig(Section):
     """Object storage for artifacts and checkpoints; empty: run_dir alone (a shared path on a cluster)."""
@@ -73,228 +101,415 @@ class StorageConfig(Section):
         return v
 
 
-class ObjectStore:
-    """A bucket prefix; paths given to its methods are relative to it ('artifacts/sft/<key>')."""
 
-    def __init__(self, uri: str, endpoint_url: str | None = None, region: str | None = None):
-        self.uri, self.endpoint_url, self.region = uri.rstrip("/"), endpoint_url, region
-        self.root = self.uri.removeprefix("s3://")  # bucket/prefix, as pyarrow names it
+# --------------------------------------------------------------------------- layout (spelled once)
 
-    @cached_property
-    def fs(self):
-        from pyarrow import fs
 
-        kwargs = {"region": self.region} if self.region else {}
-        if self.endpoint_url:
-            scheme, _, host = self.endpoint_url.partition("://")
-            kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
-        return fs.S3FileSystem(**kwargs)
+def artifact_rel(stage: str, key: str) -> str:
+    """Where an artifact lives, relative to run_dir and to the bucket prefix."""
+    return f"{ARTIFACTS}/{stage}/{key}"
 
-    def path(self, rel: str = "") -> str:
-        """The pyarrow path (bucket/prefix/rel) of `rel`."""
-        return f"{self.root}/{rel}".rstrip("/")
 
-    def url(self, rel: str = "") -> str:
-        return f"s3://{self.path(rel)}"
+def artifact_dir(run_dir: Path, stage: str, key: str) -> Path:
+    return Path(run_dir) / artifact_rel(stage, key)
 
-    # ---------------------------------------------------------------- files
 
-    def read_bytes(self, rel: str) -> bytes | None:
-        """The object's bytes, or None when it does not exist. Any other failure (credentials,
-        network, throttling) is a `StorageError`: a cache check must not read it as "missing" and
-        redo, or resume from nothing."""
-        from pyarrow.lib import ArrowException
+def checkpoint_dir(run_dir: Path, stage: str, key: str) -> Path:
+    """Training checkpoints of one key, kept across attempts (a rerun of the same key resumes)."""
+    return Path(run_dir) / "checkpoints" / stage / key
 
+
+def artifact_of(path: str | Path, run_dir: Path) -> tuple[str, str, Path] | None:
+    """(stage, key, path inside the artifact) of a path in run_dir's finished artifacts, else None."""
+    try:
+        parts = Path(path).relative_to(Path(run_dir) / ARTIFACTS).parts
+    except ValueError:
+        return None
+    if len(parts) < 2 or parts[1].startswith("."):  # staging and set-aside copies are not artifacts
+        return None
+    return parts[0], parts[1], Path(*parts[2:]) if len(parts) > 2 else Path()
+
+
+def output_paths(manifest: dict, out_dir: Path) -> dict[str, Path]:
+    """Outputs recorded relative to the artifact dir resolve against it; external paths stay."""
+    return {name: (out_dir / p) if not Path(p).is_absolute() else Path(p) for name, p in manifest["outputs"].items()}
+
+
+# --------------------------------------------------------------------------- manifests, pure
+
+
+def file_records(out_dir: Path, hasher=sha256_file) -> dict[str, dict]:
+    """{relative path: {"size", "sha256"}} of everything a stage wrote: what its manifest vouches for."""
+    records = {}
+    for f in sorted(out_dir.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            records[str(f.relative_to(out_dir))] = {"size": f.stat().st_size, "sha256": hasher(f)}
+    return records
+
+
+def manifest_problem(manifest, key: str, in_bucket: bool = False) -> str | None:
+    """What makes a manifest unusable for `key` (not ours, no content hashes, outputs that leave the
+    artifact), or None. A bucket manifest must name only paths inside its artifact: one written by
+    another machine cannot point this one at its files."""
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return "its manifest is unreadable or belongs to another key"
+    files, outputs = manifest.get("files"), manifest.get("outputs")
+    if not isinstance(files, dict) or not isinstance(outputs, dict):
+        return "its manifest lists no files or outputs"
+    if any(not isinstance(r, dict) or "sha256" not in r for r in files.values()):
+        return "its manifest has no content hash for every file (made by an older version of the pipeline)"
+    names = [*files, *(outputs.values() if in_bucket else [p for p in outputs.values() if not Path(p).is_absolute()])]
+    for name in names:
         try:
-            with self.fs.open_input_stream(self.path(rel)) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except (ArrowException, OSError) as exc:
-            raise StorageError(f"cannot read {self.url(rel)}: {exc}") from exc
+            safe_relative(str(name), "manifest")
+        except StorageError:
+            return f"its manifest names {name!r}, a path outside the artifact"
+    if in_bucket and not isinstance(manifest.get("copy"), str):
+        return "its bucket manifest names no copy (made by an older version of the pipeline)"
+    return None
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
-        with self.fs.open_output_stream(self.path(rel)) as f:
-            f.write(data)
 
-    def delete(self, rel: str) -> None:
-        self.fs.delete_file(self.path(rel))
+def damage(manifest: dict, out_dir: Path, hasher=sha256_file) -> str | None:
+    """What on disk no longer matches the manifest's file records (missing, resized, edited), or None."""
+    for rel, rec in manifest["files"].items():
+        f = out_dir / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != rec["size"]:
+            return f"{rel} has {size} bytes, {rec['size']} when it was made"
+        if hasher(f) != rec["sha256"]:
+            return f"{rel} changed after it was made (its SHA-256 differs)"
+    return None
 
-    def delete_dir(self, rel: str) -> None:
-        """Remove everything under `rel` (nothing there is fine)."""
-        self.fs.delete_dir_contents(self.path(rel), missing_dir_ok=True)
 
-    def files(self, rel: str) -> dict[str, int]:
-        """{path relative to `rel`: size} of every file under `rel` (empty if none)."""
-        from pyarrow import fs
+# --------------------------------------------------------------------------- local swaps
 
-        base = self.path(rel)
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directories in one step (Linux `renameat2(RENAME_EXCHANGE)`); OSError where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available")
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def replace_dir(new: Path, dest: Path, aside: Path) -> None:
+    """Put directory `new` at `dest`, with no moment where `dest` is absent when it existed.
+
+    One atomic exchange where the filesystem offers it; otherwise `dest` goes to `aside`, `new` to
+    `dest`, and a failure of the second rename puts `aside` back before raising. The old copy is
+    deleted last."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if not dest.exists():
+        os.replace(new, dest)
+        return
+    try:
+        _exchange(new, dest)
+        shutil.rmtree(new, ignore_errors=True)  # it holds the old copy now
+        return
+    except OSError:
+        pass
+    shutil.rmtree(aside, ignore_errors=True)
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(dest, aside)
+    try:
+        os.replace(new, dest)
+    except BaseException:
+        os.replace(aside, dest)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _clear(directory: Path) -> None:
+    """Remove a work directory, its manifest first (a half-deleted directory is never finished)."""
+    if directory.exists():
+        (directory / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(directory)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class ArtifactMissing(UserError):
+    """A finished artifact the plan counted on is no longer anywhere (deleted since planning)."""
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Where a finished, undamaged copy of an artifact is: "here" (run_dir), "bucket", or "missing".
+    `problem` says why a copy that exists does not count (damage), for the plan's reason."""
+
+    where: str
+    manifest: dict | None = None
+    problem: str | None = None
+
+    @property
+    def found(self) -> bool:
+        return self.where != "missing"
+
+
+class ArtifactStore:
+    """`artifacts/<stage>/<key>` in run_dir and, when the run has one, in the bucket (module docstring)."""
+
+    def __init__(self, run_dir: Path, bucket: ObjectStore | None = None, fps: FingerprintCache | None = None):
+        self.run_dir, self.bucket = Path(run_dir), bucket
+        self.fps = fps if fps is not None else FingerprintCache(self.run_dir / "fingerprints.json")
+
+    @classmethod
+    def of(cls, cfg) -> "ArtifactStore":
+        return RunStorage.of(cfg).artifacts
+
+    @property
+    def where(self) -> str:
+        return self.bucket.uri if self.bucket else str(self.run_dir / ARTIFACTS)
+
+    # ---------------------------------------------------------------- layout
+
+    def local_dir(self, stage: str, key: str) -> Path:
+        return artifact_dir(self.run_dir, stage, key)
+
+    def staging_dir(self, stage: str, key: str) -> Path:
+        return self.run_dir / ARTIFACTS / stage / STAGING / key
+
+    def _aside_dir(self, stage: str, key: str) -> Path:
+        return self.run_dir / ARTIFACTS / stage / ASIDE / key
+
+    def checkpoint_dir(self, stage: str, key: str) -> Path:
+        return checkpoint_dir(self.run_dir, stage, key)
+
+    def url(self, stage: str, key: str) -> str:
+        return self.bucket.url(artifact_rel(stage, key)) if self.bucket else str(self.local_dir(stage, key))
+
+    # ---------------------------------------------------------------- attempts (to explain a miss)
+
+    def _attempt_path(self, stage: str) -> Path:
+        return self.run_dir / ARTIFACTS / stage / "attempt.json"
+
+    def record_attempt(self, stage: str, key: str, components: dict) -> None:
+        write_json_atomic(self._attempt_path(stage), {"key": key, "components": components, "pid": os.getpid()})
+
+    def last_attempt(self, stage: str) -> dict | None:
+        return read_json(self._attempt_path(stage))
+
+    # ---------------------------------------------------------------- lookup
+
+    def _hash(self, path: Path) -> str:
+        return self.fps.file(path)  # memoised on (size, mtime): a big file is hashed once
+
+    def local(self, stage: str, key: str) -> tuple[dict | None, str | None]:
+        """(the manifest of the finished copy in run_dir, or None; why a copy there does not count, or None)."""
+        out, aside = self.local_dir(stage, key), self._aside_dir(stage, key)
+        if not out.exists() and (aside / MANIFEST).is_file():
+            os.replace(aside, out)  # a swap killed between its two renames: the old copy comes back
+        path = out / MANIFEST
+        if not path.is_file():
+            return None, None
+        manifest = read_json(path)
+        problem = manifest_problem(manifest, key) or damage(manifest, out, self._hash)
+        return (None, problem) if problem else (manifest, None)
+
+    def remote(self, stage: str, key: str) -> tuple[dict | None, str | None]:
+        """(the bucket's manifest when its copy is complete and unchanged, or None; what is wrong, or None).
+
+        Complete and unchanged: every file the manifest records is listed with its size and has
+        the ETag it had when it was uploaded (HEAD requests, in parallel; nothing is downloaded)."""
+        if self.bucket is None:
+            return None, None
+        rel = artifact_rel(stage, key)
+        raw = self.bucket.read_bytes(f"{rel}/{MANIFEST}")
+        if raw is None:
+            return None, None
         try:
-            infos = self.fs.get_file_info(fs.FileSelector(base, recursive=True, allow_not_found=True))
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            raise StorageError(f"cannot list {self.url(rel)}: {exc}") from exc
-        return {i.path[len(base) + 1:]: i.size for i in infos if i.type == fs.FileType.File}
+            manifest = json.loads(raw)
+        except ValueError:
+            manifest = None
+        problem = manifest_problem(manifest, key, in_bucket=True)
+        if problem:
+            return None, f"damaged in {self.bucket.uri}: {problem}"
+        base = f"{rel}/{manifest['copy']}"
+        listed = self.bucket.files(base)
+        etags = manifest.get("etags", {})
+        for name, rec in manifest["files"].items():
+            if name not in listed:
+                return None, f"damaged in {self.bucket.uri}: {name} is missing"
+            if listed[name] != rec["size"]:
+                return None, f"damaged in {self.bucket.uri}: {name} has {listed[name]} bytes, {rec['size']} when made"
+        with ThreadPoolExecutor(8) as pool:
+            now = dict(zip(manifest["files"], pool.map(lambda n: self.bucket.etag(f"{base}/{n}"), manifest["files"])))
+        for name in manifest["files"]:
+            if not etags.get(name) or now[name] != etags[name]:
+                return None, f"damaged in {self.bucket.uri}: {name} changed after it was uploaded (its ETag differs)"
+        return manifest, None
 
-    def upload_dir(self, local: Path, rel: str, last: str | None = None, skip_same_size: bool = False) -> int:
-        """Upload every file under `local` to `rel`, `last` (a relative name) after all others; returns
-        the bytes uploaded. `skip_same_size` skips files already there with the same size: only for a
-        prefix this attempt wrote itself (an artifact's, cleared when its stage starts)."""
-        remote = self.files(rel) if skip_same_size else {}
-        names = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
-        if last in names:
-            names.remove(last)
-            names.append(last)
-        sent = 0
-        for name in names:
-            size = (local / name).stat().st_size
-            if name != last and remote.get(name) == size:
-                continue
-            with (local / name).open("rb") as src, self.fs.open_output_stream(self.path(f"{rel}/{name}")) as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            sent += size
+    def lookup(self, stage: str, key: str) -> Lookup:
+        """Where a good copy is: run_dir first, then the bucket. A damaged copy is a miss with its reason."""
+        manifest, local_problem = self.local(stage, key)
+        if manifest is not None:
+            return Lookup("here", manifest)
+        remote, remote_problem = self.remote(stage, key)
+        if remote is not None:
+            return Lookup("bucket", remote, f"output damaged: {local_problem}" if local_problem else None)
+        problems = [p for p in (local_problem and f"output damaged: {local_problem}", remote_problem) if p]
+        return Lookup("missing", None, "; ".join(problems) or None)
+
+    def manifest(self, stage: str, key: str) -> dict | None:
+        """The manifest of the finished copy in run_dir, or None."""
+        return self.local(stage, key)[0]
+
+    def outputs(self, stage: str, key: str) -> dict[str, Path]:
+        """{output name: path} of the finished copy in run_dir (pull it first: `ensure_local`)."""
+        manifest = self.manifest(stage, key)
+        if manifest is None:
+            raise ArtifactMissing(f"stage '{stage}': no finished artifact {key} in {self.run_dir / ARTIFACTS}")
+        return output_paths(manifest, self.local_dir(stage, key))
+
+    def read_output(self, stage: str, key: str, name: str) -> bytes | None:
+        """One (small) output file's bytes, from run_dir or else the bucket, without pulling the
+        artifact (planning writes nothing); None without a good copy."""
+        found = self.lookup(stage, key)
+        if found.where == "here":
+            return output_paths(found.manifest, self.local_dir(stage, key))[name].read_bytes()
+        if found.where == "bucket":
+            rel = found.manifest["outputs"][name]
+            return self.bucket.read_bytes(f"{artifact_rel(stage, key)}/{found.manifest['copy']}/{rel}")
+        return None
+
+    # ---------------------------------------------------------------- moving copies
+
+    def pull(self, stage: str, key: str) -> dict | None:
+        """Bring the bucket's copy into run_dir; its manifest, or None when the bucket has no good copy.
+
+        Every file is hashed as it downloads and must be the manifest's (`ContentMismatch`
+        otherwise, and run_dir is left as it was). Downloaded into a temporary sibling and swapped
+        in whole, manifest included; a per-artifact lock lets the processes of one node that need
+        the same model share one download."""
+        local = self.local_dir(stage, key)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with open(local.parent / f".{key}.pull.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            manifest, _ = self.local(stage, key)
+            if manifest is not None or self.bucket is None:  # here already (another process pulled it meanwhile)
+                return manifest
+            manifest, _ = self.remote(stage, key)
+            if manifest is None:
+                return None
+            base = f"{artifact_rel(stage, key)}/{manifest['copy']}"
+            tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{key}.pull-"))
+            try:
+                for name, rec in manifest["files"].items():
+                    self.bucket.download_file(f"{base}/{name}", tmp / name, rec["sha256"])
+                write_json_atomic(tmp / MANIFEST, manifest)
+                self._remember(tmp, local, manifest)
+                replace_dir(tmp, local, self._aside_dir(stage, key))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return manifest
+
+    def _remember(self, src: Path, dest: Path, manifest: dict) -> None:
+        """Seed the hash memo with files whose content was just verified (they keep their mtime when renamed)."""
+        for name, rec in manifest["files"].items():
+            st = (src / name).stat()
+            self.fps.memo[str(dest / name)] = [st.st_size, st.st_mtime_ns, rec["sha256"]]
+
+    def _publish(self, stage: str, key: str, src: Path, manifest: dict) -> tuple[dict, int]:
+        """Upload `src` as a new copy beside the bucket's current one, then switch the manifest to it
+        (one PUT), then delete every other copy. Returns (the bucket's manifest, bytes sent).
+
+        Until the switch the old copy is the bucket's artifact, whole; a failure before it leaves
+        only an unreferenced prefix, deleted by the next publish."""
+        rel = artifact_rel(stage, key)
+        copy = f"copy-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        etags, sent = {}, 0
+        for name, rec in manifest["files"].items():
+            etags[name] = self.bucket.upload_file(src / name, f"{rel}/{copy}/{name}", rec["sha256"])
+            sent += rec["size"]
+        published = {**manifest, "copy": copy, "etags": etags}
+        self.bucket.write_bytes(f"{rel}/{MANIFEST}", json.dumps(published, indent=2, sort_keys=True,
+                                                                  default=str).encode())
+        for name in {n.split("/", 1)[0] for n in self.bucket.files(rel)} - {copy, MANIFEST}:
+            try:
+                self.bucket.delete_dir(f"{rel}/{name}") if name.startswith("copy-") else self.bucket.delete(
+                    f"{rel}/{name}")
+            except (StorageError, OSError):
+                pass  # an old copy left behind costs space, not correctness: the next publish retries
+        return published, sent
+
+    def push(self, stage: str, key: str) -> int:
+        """Publish run_dir's finished copy to the bucket (one that lacks it, or holds a damaged one);
+        bytes sent. The local manifest then names the same copy as the bucket's."""
+        manifest = self.manifest(stage, key)
+        if manifest is None:
+            raise ArtifactMissing(f"{self.local_dir(stage, key)} is not a finished artifact: only those are pushed")
+        published, sent = self._publish(stage, key, self.local_dir(stage, key), manifest)
+        write_json_atomic(self.local_dir(stage, key) / MANIFEST, published)
         return sent
 
-    def download_dir(self, rel: str, local: Path, skip_same: bool = False) -> int:
-        """Download every file under `rel` into `local` (each written whole, then renamed into place);
-        returns the bytes downloaded. `skip_same` keeps a local file only when its content matches
-        the object's (its ETag), never on size alone: a stale shard of the same size is replaced."""
-        got = 0
-        for name, size in self.files(rel).items():
-            parts = Path(name).parts
-            if Path(name).is_absolute() or not parts or ".." in parts:  # would land outside `local`
-                raise StorageError(f"refusing to download {self.url(rel)}/{name}: the object name leaves "
-                                   "the directory it is downloaded into")
-            dest = local / name
-            if skip_same and dest.is_file() and dest.stat().st_size == size and self._same_content(
-                    f"{rel}/{name}", dest):
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-            with self.fs.open_input_stream(self.path(f"{rel}/{name}")) as src, tmp.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-            os.replace(tmp, dest)
-            got += size
-        return got
+    def ensure_local(self, stage: str, key: str, log=lambda message: None) -> dict:
+        """Make a finished artifact present here (pulled if only the bucket has it) and in the bucket
+        (pushed if it lacks a good copy); its manifest. `ContentMismatch` if the bucket's copy
+        turns out damaged while it downloads; `ArtifactMissing` if it is nowhere."""
+        t0 = time.time()
+        manifest, _ = self.local(stage, key)
+        if manifest is not None:
+            if self.bucket is not None and self.remote(stage, key)[0] is None:
+                sent = self.push(stage, key)
+                log(f"  pushed {stage} ({key}, {sent / 2**20:.1f} MiB) to {self.bucket.uri}, which lacked a good "
+                    f"copy, in {time.time() - t0:.1f}s")
+                manifest = self.manifest(stage, key)
+            return manifest
+        manifest = self.pull(stage, key)
+        if manifest is None:
+            raise ArtifactMissing(f"stage '{stage}': its artifact {key} is no longer in {self.where} (deleted or "
+                                  "damaged since planning); run again")
+        log(f"  pulled {stage} ({key}) from {self.bucket.uri} in {time.time() - t0:.1f}s")
+        return manifest
 
-    def _same_content(self, rel: str, local: Path) -> bool:
-        """Whether `local` holds the object's bytes, by its ETag: the MD5 of a single-part upload, or
-        the MD5 of the parts' MD5s with "-N" for a multipart one (tried with the part sizes pyarrow,
-        boto3 and the AWS CLI use). An ETag none of them reproduces counts as different."""
-        try:
-            with self.fs.open_input_stream(self.path(rel)) as f:
-                etag = (f.metadata() or {}).get("ETag", b"").decode().strip('"')
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            raise StorageError(f"cannot read {self.url(rel)}: {exc}") from exc
-        return bool(etag) and etag in local_etags(local, int(etag.rsplit("-", 1)[1]) if "-" in etag else 0)
+    # ---------------------------------------------------------------- building
 
+    def begin(self, stage: str, key: str, fresh: bool = False) -> Path:
+        """A clean work directory for a stage about to build `key`: always the staging directory, so
+        whatever finished copy exists (here or in the bucket) stays whole until `commit`. `fresh`
+        (--force) also drops the key's checkpoints, here and in the bucket: it trains from scratch."""
+        work = self.staging_dir(stage, key)
+        _clear(work)
+        self._drop_in_bucket(work)  # what a worker of an interrupted attempt pushed there
+        work.mkdir(parents=True)
+        if fresh:
+            shutil.rmtree(self.checkpoint_dir(stage, key), ignore_errors=True)
+            self._drop_in_bucket(self.checkpoint_dir(stage, key))
+        return work
 
-def local_etags(path: Path, parts: int) -> set[str]:
-    """The ETags an S3 upload of `path` in `parts` parts (0: a single PUT) could have."""
-    import hashlib
+    def _drop_in_bucket(self, path: Path) -> None:
+        if self.bucket is not None:
+            self.bucket.delete_dir(str(path.relative_to(self.run_dir)))
 
-    if parts == 0:
-        with path.open("rb") as f:
-            return {hashlib.file_digest(f, "md5").hexdigest()}
-    size, out = path.stat().st_size, set()
-    for part_size in (10 << 20, 8 << 20, 5 << 20, 16 << 20, 64 << 20):
-        if -(-size // part_size) != parts and not (size == 0 and parts == 1):
-            continue
-        digests = hashlib.md5()
-        with path.open("rb") as f:
-            while chunk := f.read(part_size):
-                digests.update(hashlib.md5(chunk).digest())
-        out.add(f"{digests.hexdigest()}-{parts}")
-    return out
-
-
-def from_config(cfg) -> ObjectStore | None:
-    """The run's store (`cfg.storage`), or None when it has none."""
-    return RunStorage.of(cfg).store
-
-
-# --------------------------------------------------------------------------- artifacts
-
-
-def _artifact_rel(stage: str, key: str) -> str:
-    return f"artifacts/{stage}/{key}"
-
-
-def remote_manifest(store: ObjectStore, stage: str, key: str) -> dict | None:
-    """The manifest of a finished artifact in the bucket, or None (missing or an interrupted upload)."""
-    data = store.read_bytes(f"{_artifact_rel(stage, key)}/{MANIFEST}")
-    try:
-        manifest = json.loads(data) if data else None
-    except json.JSONDecodeError:
-        return None
-    return manifest if isinstance(manifest, dict) and manifest.get("key") == key else None
-
-
-def clear_artifact(store: ObjectStore, stage: str, key: str) -> None:
-    """Drop what an interrupted attempt left in the bucket under this key, manifest first."""
-    try:
-        store.delete(f"{_artifact_rel(stage, key)}/{MANIFEST}")
-    except (FileNotFoundError, OSError):
-        pass
-    store.delete_dir(_artifact_rel(stage, key))
-
-
-def push_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> int:
-    """Upload a finished local artifact, its manifest last; returns the bytes sent."""
-    local = run_dir / "artifacts" / stage / key
-    if read_manifest(run_dir, stage, key) is None:
-        raise FileNotFoundError(f"{local} has no {MANIFEST}: only finished artifacts are pushed")
-    # The data stage already wrote its Parquet through the bucket (`write_parquet`): not sent twice.
-    return store.upload_dir(local, _artifact_rel(stage, key), last=MANIFEST, skip_same_size=True)
-
-
-def pull_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str) -> bool:
-    """Bring a finished artifact from the bucket into run_dir; False if the bucket has none.
-
-    Downloaded into a temporary sibling and renamed into place, manifest included, so a pull cut
-    short never leaves a directory that looks finished. A per-artifact lock lets the workers of one
-    node that need the same model share a single download.
-    """
-    local = run_dir / "artifacts" / stage / key
-    if read_manifest(run_dir, stage, key) is not None:
-        return True
-    local.parent.mkdir(parents=True, exist_ok=True)
-    with open(local.parent / f".{key}.pull.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if read_manifest(run_dir, stage, key) is not None:  # another process pulled it while we waited
-            return True
-        if remote_manifest(store, stage, key) is None:
-            return False
-        tmp = Path(tempfile.mkdtemp(dir=local.parent, prefix=f".{key}.pull-"))
-        try:
-            store.download_dir(_artifact_rel(stage, key), tmp)
-            if local.exists():  # partial output of an interrupted local attempt
-                (local / MANIFEST).unlink(missing_ok=True)
-                shutil.rmtree(local)
-            os.replace(tmp, local)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return True
-
-
-def sync_artifact(store: ObjectStore, run_dir: Path, stage: str, key: str, log) -> None:
-    """Make a finished artifact (a hit, or the input of a stage to run) present both here and in the bucket.
-
-    Pulls what only the bucket has; pushes what only run_dir has (a push cut short by a network
-    failure, or an artifact made before the run used a store)."""
-    t0 = time.time()
-    if read_manifest(run_dir, stage, key) is not None:
-        if remote_manifest(store, stage, key) is None:
-            sent = push_artifact(store, run_dir, stage, key)
-            log(f"  pushed {stage} ({key}, {sent / 2**20:.1f} MiB) to {store.uri}, which lacked it, "
-                f"in {time.time() - t0:.1f}s")
-        return
-    if not pull_artifact(store, run_dir, stage, key):
-        raise UserError(f"stage '{stage}': its artifact {key} vanished from {store.uri} since planning; run again")
-    log(f"  pulled {stage} ({key}) from {store.uri} in {time.time() - t0:.1f}s")
+    def commit(self, stage: str, key: str, fields: dict, log=lambda message: None) -> dict:
+        """Make the staging directory the artifact: manifest (with every file's SHA-256) written last,
+        the bucket's copy replaced first, then run_dir's, each without a moment where neither copy
+        exists. Returns the manifest."""
+        work = self.staging_dir(stage, key)
+        outputs = fields.get("outputs", {})
+        external = [p for p in outputs.values() if Path(p).is_absolute()]
+        if external and self.bucket is not None:
+            raise UserError(f"stage '{stage}' returned {external[0]}, outside its artifact directory; with "
+                            "storage.uri every output must be written under ctx.out_dir to reach the bucket")
+        records = file_records(work, sha256_file)
+        manifest = {**fields, "stage": stage, "key": key, "files": records}
+        write_json_atomic(work / MANIFEST, manifest)
+        if self.bucket is not None:
+            t0 = time.time()
+            manifest, sent = self._publish(stage, key, work, manifest)
+            write_json_atomic(work / MANIFEST, manifest)
+            self._drop_in_bucket(work)
+            log(f"pushed {sent / 2**20:.1f} MiB to {self.url(stage, key)} in {time.time() - t0:.1f}s")
+        self._remember(work, self.local_dir(stage, key), manifest)
+        replace_dir(work, self.local_dir(stage, key), self._aside_dir(stage, key))
+        self.fps.save()
+        return manifest
 
 
 def check(store: ObjectStore | None) -> None:
@@ -334,7 +549,12 @@ class RunStorage:
     def store(self) -> ObjectStore | None:
         return ObjectStore(self.uri, self.endpoint_url, self.region) if self.uri else None
 
-    def __getstate__(self) -> dict:  # the cached S3 client stays behind; each process makes its own
+    @cached_property
+    def artifacts(self) -> ArtifactStore:
+        """The artifact store over this run_dir and bucket (one per process)."""
+        return ArtifactStore(self.run_dir, self.store)
+
+    def __getstate__(self) -> dict:  # the cached S3 client and store stay behind; each process makes its own
         return {k: getattr(self, k) for k in ("run_dir", "uri", "endpoint_url", "region")}
 
     def __setstate__(self, state: dict) -> None:
@@ -353,13 +573,12 @@ class RunStorage:
         """`path` on this node: pulled from the store first when it is part of an artifact this node lacks.
 
         Call it in worker processes before opening an input (a model directory): on a multi-node
-        cluster without a shared run_dir, the driver's artifacts exist on this node only once pulled.
-        """
+        cluster without a shared run_dir, the driver's artifacts exist on this node only once pulled."""
         path = Path(path)
         if path.exists() or self.store is None:
             return path
-        artifact = _artifact_of(path, self.run_dir)
-        if artifact is None or not pull_artifact(self.store, self.run_dir, *artifact):
+        found = artifact_of(path, self.run_dir)
+        if found is None or self.artifacts.pull(found[0], found[1]) is None:
             raise FileNotFoundError(f"{path} is neither on this node nor in {self.store.uri}")
         return path
 
@@ -367,12 +586,20 @@ class RunStorage:
         """(path, pyarrow filesystem) under which Ray Data and Ray Train should address `path`.
 
         A path inside run_dir maps to the same place in the bucket when the run has a store (reads
-        and checkpoints then work from any node); anything else stays a local path (filesystem None).
-        """
+        and checkpoints then work from any node), a path inside a finished artifact to its current
+        copy there; anything else stays a local path (filesystem None)."""
         found = self._in_store(path)
         if found is None:
             return str(path), None
         store, rel = found
+        art = artifact_of(path, self.run_dir)
+        if art is not None:
+            stage, key, inner = art
+            manifest, problem = self.artifacts.remote(stage, key)
+            if manifest is None:
+                raise StorageError(f"{path}: artifact {stage}/{key} has no good copy in {store.uri}"
+                                   f"{f' ({problem})' if problem else ''}")
+            rel = str(Path(artifact_rel(stage, key)) / manifest["copy"] / inner)
         return store.path(rel), store.fs
 
     def push_path(self, path: str | Path) -> int:
@@ -385,13 +612,13 @@ class RunStorage:
             return 0
         store, rel = found
         if path.is_file():
-            store.write_bytes(rel, path.read_bytes())
+            store.upload_file(path, rel)
             return path.stat().st_size
         return store.upload_dir(path, rel)
 
     def pull_path(self, path: str | Path) -> int:
-        """Download a file or directory of run_dir from the bucket where this node lacks it (or has another
-        size); bytes received (0 without a store). Serialised per path: ranks on one node share one download."""
+        """Download a file or directory of run_dir from the bucket where this node lacks it (or holds other
+        bytes); bytes received (0 without a store). Serialised per path: ranks on one node share one download."""
         found = self._in_store(path)
         if found is None:
             return 0
@@ -417,38 +644,18 @@ class RunStorage:
             found[0].delete_dir(found[1])
 
     def write_parquet(self, ds, dest: Path) -> None:
-        """`ds.write_parquet(dest)`; with a store, through the bucket, then pulled into `dest`.
+        """`ds.write_parquet(dest)`; with a store, through a scratch prefix of the bucket, then downloaded
+        into `dest` (and the scratch deleted).
 
         Ray Data's write tasks run on any node: into a node-local run_dir they would scatter the files
-        over the nodes. The bucket is the one place every node reaches."""
-        found = self._in_store(dest)
-        if found is None:
+        over the nodes. The bucket is the one place every node reaches. The commit uploads the
+        artifact like any other."""
+        if self.store is None:
             ds.write_parquet(str(dest))
             return
-        store, rel = found
-        store.delete_dir(rel)
-        ds.write_parquet(store.path(rel), filesystem=store.fs)
-        store.download_dir(rel, Path(dest))
-
-
-def _artifact_of(path: Path, run_dir: Path) -> tuple[str, str] | None:
-    """(stage, key) of the artifact holding `path`, if `path` lies in run_dir's artifacts."""
-    try:
-        parts = Path(path).relative_to(run_dir / "artifacts").parts
-    except ValueError:
-        return None
-    return (parts[0], parts[1]) if len(parts) >= 2 else None
-
-
-def probe(store: ObjectStore) -> str:
-    """Write, read back and delete a marker object; '' if that works, else what failed."""
-    rel = f".storage-check-{uuid.uuid4().hex}"
-    try:
-        store.write_bytes(rel, b"ok")
-        ok = store.read_bytes(rel) == b"ok"
-        store.delete(rel)
-    except StorageError as exc:
-        return str(exc.__cause__ or exc)
-    except OSError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "" if ok else "wrote a marker object but could not read it back"
+        scratch = f"scratch/{uuid.uuid4().hex}"
+        try:
+            ds.write_parquet(self.store.path(scratch), filesystem=self.store.fs)
+            self.store.download_dir(scratch, Path(dest))
+        finally:
+            self.store.delete_dir(scratch)

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.errors import DataError
 from pipeline.runner import build_plan, run_pipeline
 from stages.common import tasks
@@ -26,8 +26,8 @@ def run_data(run_dir, tracking_uri, *overrides) -> tuple[dict, dict]:
     cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *overrides)
     summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="data")
     manifest = summary["stages"]["data"]
-    out = artifacts.artifact_dir(cfg.run_dir, "data", manifest["key"])
-    return artifacts.output_paths(manifest, out), manifest["metrics"]
+    out = storage.artifact_dir(cfg.run_dir, "data", manifest["key"])
+    return storage.output_paths(manifest, out), manifest["metrics"]
 
 
 def read(path) -> list[dict]:

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.runner import run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ LORA = ("stages.sft.lora.r=8", "stages.sft.lr=0.01", "stages.reward.lora.r=8", "
 
 def _outputs(summary, cfg, stage):
     manifest = summary["stages"][stage]
-    return manifest, artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, stage, manifest["key"]))
+    return manifest, storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, stage, manifest["key"]))
 
 
 def _history(tracking_uri, run_id, key) -> dict[int, float]:

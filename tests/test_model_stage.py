@@ -115,7 +115,7 @@ def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(r
     from peft import PeftModel
     from rich.console import Console
 
-    from pipeline import artifacts
+    from pipeline import storage
     from pipeline.config import load_config
     from pipeline.runner import run_pipeline
     from stages.common import lora, models
@@ -130,7 +130,7 @@ def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(r
 
     def output(stage: str, name: str) -> Path:
         manifest = summary["stages"][stage]
-        return artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, stage, manifest["key"]))[name]
+        return storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, stage, manifest["key"]))[name]
 
     base, sft = output("model", "base_model"), output("sft", "sft_model")
     adapter = sft.parent / lora.ADAPTER_DIR

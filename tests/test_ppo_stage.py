@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, TRAINED, smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.runner import run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def run_ppo(run_dir, tracking_uri, *overrides):
     cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *TRAINED, *overrides)
     summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="ppo")
     manifest = summary["stages"]["ppo"]
-    out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "ppo", manifest["key"]))
+    out = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, "ppo", manifest["key"]))
     return manifest, summary["run_ids"]["ppo"], out["policy_model"]
 
 

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.runner import run_pipeline
 
 
@@ -37,7 +37,7 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracki
     evals = sorted(client.get_metric_history(run_id, "eval_loss"), key=lambda x: x.step)
     assert evals[0].step == 0 and evals[-1].step == steps and all(torch.isfinite(torch.tensor([e.value for e in evals])))
     assert {"eval_accuracy", "eval_margin", "train_loss"} <= manifest["metrics"].keys()
-    out = artifacts.output_paths(manifest, artifacts.artifact_dir(smoke_trained.run_dir, "reward",
+    out = storage.output_paths(manifest, storage.artifact_dir(smoke_trained.run_dir, "reward",
                                                                   manifest["key"]))["reward_model"]
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1
@@ -81,7 +81,7 @@ def test_reward_model_learns_a_held_out_preference(ray_local, tmp_path, tracking
     assert {x.step for x in lm} == set(range(1, 11)) and lm[-1].value < lm[0].value
 
     # The export is a one-logit sequence classifier that ranks a held-out pair the same way.
-    out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "reward", manifest["key"]))["reward_model"]
+    out = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, "reward", manifest["key"]))["reward_model"]
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tok = load_tokenizer(out)
     assert model.config.num_labels == 1

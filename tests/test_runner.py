@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, run_cli, smoke_config
-from pipeline import artifacts
+from pipeline import artifacts, storage
 from pipeline.errors import UserError
 from pipeline.registry import StageSpec
 from pipeline.runner import RunLock, build_plan, run_pipeline
@@ -46,8 +46,10 @@ def run(cfg, ctx):
     with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
         f.write("c\\n")
     (ctx.out_dir / "c.txt").write_text("c")
+    (ctx.out_dir / "weights.bin").write_bytes(bytes(range(256)) * 8192)  # 2 MiB, as a model shard
     return {"c_out": ctx.out_dir / "c.txt"}
 '''
+WEIGHTS = bytes(range(256)) * 8192
 REGISTRY = (
     StageSpec("toy_a", "toy_a", "stages.data", ("seed",), (), ("a_out",), "a"),
     StageSpec("toy_b", "toy_b", "stages.data.generate", (), ("a_out",), ("b_out",), "b"),
@@ -130,8 +132,10 @@ def test_a_crashed_stage_leaves_no_artifact_and_reruns(toy):
     with pytest.raises(RuntimeError, match="boom"):
         t.run()
     plan = t.plan()
-    out = artifacts.artifact_dir(run_dir, "toy_a", plan["toy_a"].key)
-    assert (out / "partial.txt").exists() and not (out / "manifest.json").exists()
+    store = storage.ArtifactStore(run_dir)
+    out = store.local_dir("toy_a", plan["toy_a"].key)
+    work = store.staging_dir("toy_a", plan["toy_a"].key)
+    assert (work / "partial.txt").exists() and not (work / "manifest.json").exists() and not out.exists()
     assert plan["toy_a"].status == "miss" and "did not finish" in plan["toy_a"].reason
     (run_dir / "FAIL_A").unlink()
     assert t.run() == ["a", "b", "c"]
@@ -142,7 +146,7 @@ def test_corrupt_manifest_is_not_a_hit(toy):
     t, _, _, run_dir = toy
     t.run()
     key = t.plan()["toy_c"].key
-    (artifacts.artifact_dir(run_dir, "toy_c", key) / "manifest.json").write_text('{"key": "trunc')
+    (storage.artifact_dir(run_dir, "toy_c", key) / "manifest.json").write_text('{"key": "trunc')
     assert t.plan()["toy_c"].status == "miss"
 
 
@@ -166,7 +170,7 @@ def test_metrics_of_a_cached_stage_are_kept_in_its_manifest(toy):
     t, _, _, run_dir = toy
     t.run()
     key = t.plan()["toy_a"].key
-    manifest = artifacts.read_manifest(run_dir, "toy_a", key)
+    manifest = storage.ArtifactStore(run_dir).manifest("toy_a", key)
     assert manifest["metrics"] == {"a_metric": 1.5}
     assert manifest["outputs"] == {"a_out": "a.txt"}
 
@@ -193,15 +197,15 @@ def test_with_an_object_store_an_empty_run_dir_pulls_and_the_bucket_is_kept_comp
     import shutil
 
     from helpers.s3 import S3Server
-    from pipeline import storage
 
     t, _, _, run_dir = toy
     with S3Server() as s3:
         args = (f"storage.uri=s3://{s3.bucket}/toy", f"storage.endpoint_url={s3.endpoint}")
         store = s3.store("toy")
+        remote = storage.ArtifactStore(run_dir, store).remote
         assert t.run(*args) == ["a", "b", "c"]
         keys = {name: p.key for name, p in t.plan(*args).items()}
-        assert all(storage.remote_manifest(store, name, key) for name, key in keys.items())
+        assert all(remote(name, key)[0] for name, key in keys.items())
 
         # An empty run_dir on the same bucket (a new machine): every stage is a hit, pulled, nothing runs.
         shutil.rmtree(run_dir / "artifacts")
@@ -211,32 +215,32 @@ def test_with_an_object_store_an_empty_run_dir_pulls_and_the_bucket_is_kept_comp
         assert (local_b / "b.txt").read_text().endswith("+b") and (local_b / "manifest.json").is_file()
 
         # The bucket lost an artifact (a push cut short): the next run pushes it again, runs nothing.
-        storage.clear_artifact(store, "toy_c", keys["toy_c"])
+        store.delete_dir(f"artifacts/toy_c/{keys['toy_c']}")
         assert t.run(*args) == []
-        assert storage.remote_manifest(store, "toy_c", keys["toy_c"]) is not None
+        assert remote("toy_c", keys["toy_c"])[0] is not None
 
         # Files in the bucket without their manifest are not an artifact: the stage runs again.
         store.delete(f"artifacts/toy_c/{keys['toy_c']}/manifest.json")
         shutil.rmtree(run_dir / "artifacts" / "toy_c")
         assert t.plan(*args)["toy_c"].status == "miss"
         assert t.run(*args) == ["c"]
-        assert storage.remote_manifest(store, "toy_c", keys["toy_c"]) is not None
+        assert remote("toy_c", keys["toy_c"])[0] is not None
 
 
 def test_force_reruns_from_scratch_and_a_failed_rerun_keeps_the_last_good_artifact(toy):
     t, _, _, run_dir = toy
     t.run()
     key = t.plan()["toy_a"].key
-    out = artifacts.artifact_dir(run_dir, "toy_a", key)
+    out = storage.artifact_dir(run_dir, "toy_a", key)
     assert (out / "started_at_step.txt").read_text() == "0"
     assert t.run(force=["toy_a"]) == ["a"]
     assert (out / "started_at_step.txt").read_text() == "0"  # its checkpoints were cleared: not resumed
 
     (run_dir / "FAIL_A").write_text("")
-    before = artifacts.read_manifest(run_dir, "toy_a", key)
+    before = storage.ArtifactStore(run_dir).manifest("toy_a", key)
     with pytest.raises(RuntimeError, match="boom"):
         t.run(force=["toy_a"])
-    assert artifacts.read_manifest(run_dir, "toy_a", key) == before  # the last good result is untouched
+    assert storage.ArtifactStore(run_dir).manifest("toy_a", key) == before  # the last good result is untouched
     assert (out / "a.txt").read_text() == "64"
     assert t.plan()["toy_a"].status == "hit"
     (run_dir / "FAIL_A").unlink()
@@ -246,7 +250,7 @@ def test_force_reruns_from_scratch_and_a_failed_rerun_keeps_the_last_good_artifa
 def test_a_truncated_or_missing_output_is_a_miss_not_a_hit(toy):
     t, _, _, run_dir = toy
     t.run()
-    out = artifacts.artifact_dir(run_dir, "toy_a", t.plan()["toy_a"].key)
+    out = storage.artifact_dir(run_dir, "toy_a", t.plan()["toy_a"].key)
     (out / "a.txt").write_text("6")  # truncated after it was made
     plan = t.plan()
     assert plan["toy_a"].status == "miss" and plan["toy_a"].reason == "output damaged: a.txt has 1 bytes, 2 when it was made"
@@ -303,3 +307,118 @@ def test_the_serve_key_includes_the_registry_it_registers_in(tmp_path):
     a, b = keys(f"sqlite:///{tmp_path / 'a.db'}"), keys(f"sqlite:///{tmp_path / 'b.db'}")
     assert a["serve"] != b["serve"]
     assert all(a[n] == b[n] for n in ("model", "data", "sft", "reward", "ppo"))
+
+
+# --------------------------------------------------------------------------- the bucket under faults
+
+
+@pytest.fixture
+def bucket_toy(toy):
+    from helpers.s3 import S3Server
+
+    t, _, _, run_dir = toy
+    with S3Server() as s3:
+        yield t, run_dir, s3.store("toy"), (f"storage.uri=s3://{s3.bucket}/toy", f"storage.endpoint_url={s3.endpoint}")
+
+
+def _bucket_file(bucket, stage: str, key: str, name: str) -> str:
+    import json
+
+    return f"artifacts/{stage}/{key}/{json.loads(bucket.read_bytes(f'artifacts/{stage}/{key}/manifest.json'))['copy']}/{name}"
+
+
+def test_a_forced_rerun_over_a_bucket_only_artifact_replaces_same_size_stale_bytes(bucket_toy, tmp_path):
+    """This machine's run_dir lacks the artifact, the bucket holds it with its large file changed at the
+    same size: `--force` rebuilds it and the bucket ends with the rebuilt bytes, which another empty
+    run_dir pulls."""
+    import shutil
+
+    t, run_dir, bucket, args = bucket_toy
+    assert t.run(*args) == ["a", "b", "c"]
+    key = t.plan(*args)["toy_c"].key
+    shutil.rmtree(run_dir / "artifacts")
+    rel = _bucket_file(bucket, "toy_c", key, "weights.bin")
+    bucket.write_bytes(rel, bytes(255 - c for c in WEIGHTS))  # stale weights, same size
+    assert t.run(*args, only=["toy_c"], force=["toy_c"]) == ["c"]
+    assert bucket.read_bytes(_bucket_file(bucket, "toy_c", key, "weights.bin")) == WEIGHTS
+    other = storage.ArtifactStore(tmp_path / "other", bucket)
+    assert other.pull("toy_c", key) is not None
+    assert (other.local_dir("toy_c", key) / "weights.bin").read_bytes() == WEIGHTS
+
+
+def test_a_damaged_bucket_artifact_is_a_miss_named_in_the_plan_and_rebuilt(bucket_toy):
+    """A large file changed at the same size, then a small file truncated: each time the plan names the
+    damage, the run rebuilds the stage (no traceback) and the bucket holds a good copy again."""
+    import shutil
+
+    t, run_dir, bucket, args = bucket_toy
+    assert t.run(*args) == ["a", "b", "c"]
+    key = t.plan(*args)["toy_c"].key
+    for name, data in (("weights.bin", bytes(255 - c for c in WEIGHTS)), ("c.txt", b"")):
+        shutil.rmtree(run_dir / "artifacts" / "toy_c")
+        bucket.write_bytes(_bucket_file(bucket, "toy_c", key, name), data)
+        plan = t.plan(*args)["toy_c"]
+        assert plan.status == "miss" and f"damaged in {bucket.uri}: {name}" in plan.reason, plan.reason
+        assert t.run(*args) == ["c"]
+        assert storage.ArtifactStore(run_dir, bucket).remote("toy_c", key)[0] is not None
+        assert bucket.read_bytes(_bucket_file(bucket, "toy_c", key, "weights.bin")) == WEIGHTS
+
+
+def test_a_commit_cut_off_mid_upload_leaves_the_previous_copy_pullable(bucket_toy, tmp_path, monkeypatch):
+    from pipeline.bucket import ObjectStore
+    from pipeline.errors import StorageError
+
+    t, run_dir, bucket, args = bucket_toy
+    assert t.run(*args) == ["a", "b", "c"]
+    key = t.plan(*args)["toy_c"].key
+    before = storage.ArtifactStore(run_dir).manifest("toy_c", key)
+    real, calls = ObjectStore.upload_file, []
+
+    def flaky(self, local, rel, sha256=None):
+        calls.append(rel)
+        if len(calls) == 2:
+            raise StorageError(f"cannot upload {local} to {self.url(rel)}: connection reset")
+        return real(self, local, rel, sha256)
+
+    monkeypatch.setattr(ObjectStore, "upload_file", flaky)
+    with pytest.raises(StorageError, match="connection reset"):
+        t.run(*args, only=["toy_c"], force=["toy_c"])
+    monkeypatch.undo()
+    assert storage.ArtifactStore(run_dir).manifest("toy_c", key) == before  # here: the last good copy
+    fresh = storage.ArtifactStore(tmp_path / "fresh", bucket)  # and in the bucket, whole
+    assert fresh.lookup("toy_c", key).where == "bucket" and fresh.pull("toy_c", key)["copy"] == before["copy"]
+    assert (fresh.local_dir("toy_c", key) / "weights.bin").read_bytes() == WEIGHTS
+    assert t.run(*args, only=["toy_c"], force=["toy_c"]) == ["c"]  # the next commit clears the orphaned upload
+    assert {n.split("/")[0] for n in bucket.files(f"artifacts/toy_c/{key}")} == {
+        storage.ArtifactStore(run_dir).manifest("toy_c", key)["copy"], "manifest.json"}
+
+
+def test_a_staged_serve_rerun_tags_its_registered_model_with_the_cache_key(tmp_path, tracking_uri):
+    """serve builds in the store's staging directory; the key it tags is the key, not the directory's name."""
+    from mlflow.tracking import MlflowClient
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "toy_policy.py").write_text(textwrap.dedent('''
+        def run(cfg, ctx):
+            (ctx.out_dir / "model").mkdir()
+            (ctx.out_dir / "model" / "config.json").write_text("{}")
+            return {"policy_model": ctx.out_dir / "model"}
+    '''))
+    sys.path.insert(0, str(code))
+    registry = (StageSpec("toy_policy", "toy_policy", "model", (), (), ("policy_model",), "p"),
+                next(s for s in __import__("pipeline.registry").registry.STAGES if s.name == "serve"))
+    name = f"toy-{tmp_path.name}"
+    try:
+        cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}", "stages.serve.deploy=false",
+                           f"stages.serve.registry.model_name={name}")
+        run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+        client = MlflowClient(tracking_uri)
+        client.delete_registered_model(name)  # the registry lost it: the rerun registers a new version
+        summary = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry, force=["serve"])
+        key = summary["stages"]["serve"]["key"]
+        version = client.get_model_version_by_alias(name, cfg.stages.serve.registry.alias)
+        assert version.tags["serve_cache_key"] == key
+    finally:
+        sys.path.remove(str(code))
+        sys.modules.pop("toy_policy", None)

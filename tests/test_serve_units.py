@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.errors import ConfigError, UserError
 from pipeline.runner import build_plan
 from stages.batch_infer import BatchInferConfig, check_not_all_failed, request, result, summarize
@@ -221,17 +221,18 @@ def test_serve_reads_its_source_and_runs_every_time_only_when_blocking(tmp_path)
     plan = {p.spec.name: p for p in build_plan(smoke_config(tmp_path, "stages.serve.source=sft_model"))}
     assert plan["serve"].spec.inputs == ("sft_model",)
     cfg = smoke_config(tmp_path, "stages.serve.block=true")
+    store = storage.ArtifactStore(cfg.run_dir)
     for p in build_plan(cfg):  # pretend every stage has finished once with this config
-        artifacts.write_json_atomic(artifacts.artifact_dir(cfg.run_dir, p.spec.name, p.key) / artifacts.MANIFEST,
-                                    {"key": p.key})
+        store.begin(p.spec.name, p.key)
+        store.commit(p.spec.name, p.key, {"outputs": {}})
     plan = {p.spec.name: p for p in build_plan(cfg)}
     assert all(plan[s].status == "hit" for s in ("model", "data", "sft", "reward", "ppo"))
     assert plan["serve"].status == "miss" and "until Ctrl-C" in plan["serve"].reason
     # block without deploy serves nothing: once finished, it is a cache hit like any stage
     quiet = smoke_config(tmp_path, "stages.serve.block=true", "stages.serve.deploy=false")
     for p in build_plan(quiet):
-        artifacts.write_json_atomic(artifacts.artifact_dir(quiet.run_dir, p.spec.name, p.key) / artifacts.MANIFEST,
-                                    {"key": p.key})
+        store.begin(p.spec.name, p.key)
+        store.commit(p.spec.name, p.key, {"outputs": {}})
     assert build_plan(quiet)[-1].spec.name == "serve" and build_plan(quiet)[-1].status == "hit"
 
 

@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, TRAINED, smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.runner import run_pipeline
 
 FAST = list(TRAINED)  # the shared trained run's SFT settings: its ZeRO-2 run is a cache hit here
@@ -21,7 +21,7 @@ def run_sft(run_dir, tracking_uri, *overrides):
     cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *FAST, *overrides)
     summary = run_pipeline(cfg, SMOKE, Console(quiet=True), to="sft")
     manifest = summary["stages"]["sft"]
-    out = artifacts.output_paths(manifest, artifacts.artifact_dir(cfg.run_dir, "sft", manifest["key"]))
+    out = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, "sft", manifest["key"]))
     return manifest, summary["run_ids"]["sft"], out["sft_model"]
 
 
@@ -41,7 +41,7 @@ def _trained_sft(smoke_trained):
     """(manifest, MLflow run id, model dir) of the shared trained run's SFT (ZeRO-2, smoke's default)."""
     summary = smoke_trained.summary
     manifest = summary["stages"]["sft"]
-    out = artifacts.output_paths(manifest, artifacts.artifact_dir(smoke_trained.run_dir, "sft", manifest["key"]))
+    out = storage.output_paths(manifest, storage.artifact_dir(smoke_trained.run_dir, "sft", manifest["key"]))
     return manifest, summary["run_ids"]["sft"], out["sft_model"]
 
 
@@ -120,7 +120,7 @@ def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trai
 
     def output(stage, name):
         manifest = smoke_trained.summary["stages"][stage]
-        return artifacts.output_paths(manifest, artifacts.artifact_dir(smoke_trained.run_dir, stage, manifest["key"]))[name]
+        return storage.output_paths(manifest, storage.artifact_dir(smoke_trained.run_dir, stage, manifest["key"]))[name]
 
     models = [output("model", "base_model"), output("sft", "sft_model")]
     prompts = [r["prompt_ids"] for r in read_rows(output("data", "prompt_data") / "eval", 16)]

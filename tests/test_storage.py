@@ -25,12 +25,16 @@ def s3():
         yield server
 
 
-def _artifact(run_dir: Path, stage: str, key: str, payload: bytes) -> Path:
-    out = run_dir / "artifacts" / stage / key
-    (out / "model").mkdir(parents=True)
-    (out / "model" / "weights.bin").write_bytes(payload)
-    (out / "manifest.json").write_text(json.dumps({"stage": stage, "key": key, "outputs": {"model": "model"}}))
-    return out
+def _artifact(run_dir: Path, stage: str, key: str, payload: bytes, bucket=None) -> Path:
+    """A finished artifact made as the runner makes one: built in the store's work directory, committed."""
+    from pipeline.storage import ArtifactStore
+
+    store = ArtifactStore(run_dir, bucket)
+    work = store.begin(stage, key)
+    (work / "model").mkdir()
+    (work / "model" / "weights.bin").write_bytes(payload)
+    store.commit(stage, key, {"outputs": {"model": "model"}})
+    return store.local_dir(stage, key)
 
 
 @pytest.fixture()
@@ -58,15 +62,15 @@ def test_a_storage_failure_is_an_error_never_missing(tmp_path):
     the cache check and a checkpoint pull fail, naming the object, instead of redoing or resuming
     from nothing."""
     from pipeline.errors import StorageError
-    from pipeline.storage import ObjectStore, probe, pull_artifact, remote_manifest
+    from pipeline.storage import ArtifactStore, ObjectStore, probe
 
-    store = ObjectStore("s3://pipeline-test/x", "http://127.0.0.1:9", "us-east-1")
+    store = ArtifactStore(tmp_path, ObjectStore("s3://pipeline-test/x", "http://127.0.0.1:9", "us-east-1"))
     with pytest.raises(StorageError, match="cannot read s3://pipeline-test/x/artifacts/sft/k/manifest.json"):
-        remote_manifest(store, "sft", "k")
+        store.lookup("sft", "k")
     with pytest.raises(StorageError, match="cannot"):
-        pull_artifact(store, tmp_path, "sft", "k")
+        store.pull("sft", "k")
     assert not (tmp_path / "artifacts" / "sft" / "k").exists()
-    assert "NETWORK_CONNECTION" in probe(store)
+    assert "NETWORK_CONNECTION" in probe(store.bucket)
 
 
 def test_a_download_refuses_object_names_that_leave_its_directory(s3, tmp_path):
@@ -91,46 +95,166 @@ def test_config_rejects_a_storage_uri_that_is_not_an_object_store(tmp_path):
 
 
 def test_an_artifact_round_trips_and_an_unfinished_upload_is_never_taken(s3, tmp_path):
-    from pipeline import storage
+    from pipeline.storage import ArtifactStore
 
-    store = s3.store("roundtrip")
-    src = _artifact(tmp_path / "a", "sft", "k1", os.urandom(3000))
-    assert storage.push_artifact(store, tmp_path / "a", "sft", "k1") > 3000
-    assert storage.remote_manifest(store, "sft", "k1")["key"] == "k1"
-    assert storage.pull_artifact(store, tmp_path / "b", "sft", "k1")
-    got = tmp_path / "b" / "artifacts" / "sft" / "k1"
+    bucket = s3.store("roundtrip")
+    src = _artifact(tmp_path / "a", "sft", "k1", os.urandom(3000), bucket)
+    b = ArtifactStore(tmp_path / "b", bucket)
+    assert b.lookup("sft", "k1").where == "bucket" and b.remote("sft", "k1")[0]["key"] == "k1"
+    assert b.pull("sft", "k1")["key"] == "k1"
+    got = b.local_dir("sft", "k1")
     assert (got / "model" / "weights.bin").read_bytes() == (src / "model" / "weights.bin").read_bytes()
+    assert b.lookup("sft", "k1").where == "here"
 
     # An upload cut off before its manifest: files in the bucket, but not an artifact.
-    store.upload_dir(src / "model", "artifacts/sft/k2/model")
-    assert storage.remote_manifest(store, "sft", "k2") is None
-    assert not storage.pull_artifact(store, tmp_path / "b", "sft", "k2")
-    assert not (tmp_path / "b" / "artifacts" / "sft" / "k2").exists()
-    # ... and a rerun of that stage clears it before writing anew.
-    storage.clear_artifact(store, "sft", "k2")
-    assert store.files("artifacts/sft/k2") == {}
+    bucket.upload_dir(src / "model", "artifacts/sft/k2/copy-x/model")
+    assert b.lookup("sft", "k2").where == "missing" and b.pull("sft", "k2") is None
+    assert not b.local_dir("sft", "k2").exists()
 
 
 def test_a_pull_replaces_partial_local_output(s3, tmp_path):
-    from pipeline import storage
+    from pipeline.storage import ArtifactStore
 
-    store = s3.store("partial")
-    _artifact(tmp_path / "a", "data", "k", b"good")
-    storage.push_artifact(store, tmp_path / "a", "data", "k")
+    bucket = s3.store("partial")
+    _artifact(tmp_path / "a", "data", "k", b"good", bucket)
     partial = tmp_path / "b" / "artifacts" / "data" / "k"
     (partial / "model").mkdir(parents=True)
     (partial / "model" / "weights.bin").write_bytes(b"half")  # an interrupted local attempt, no manifest
     (partial / "stray.tmp").write_bytes(b"x")
-    assert storage.pull_artifact(store, tmp_path / "b", "data", "k")
+    assert ArtifactStore(tmp_path / "b", bucket).pull("data", "k") is not None
     assert (partial / "model" / "weights.bin").read_bytes() == b"good" and not (partial / "stray.tmp").exists()
 
 
-def test_a_worker_pulls_the_artifact_its_node_lacks(node_storage, tmp_path):
-    from pipeline import storage
+def _corrupt(bucket, stage: str, key: str, name: str, data: bytes | None = None) -> None:
+    """Overwrite one file of the bucket's copy in place: other bytes of the same size unless `data`."""
+    manifest = json.loads(bucket.read_bytes(f"artifacts/{stage}/{key}/manifest.json"))
+    rel = f"artifacts/{stage}/{key}/{manifest['copy']}/{name}"
+    old = bucket.read_bytes(rel)
+    bucket.write_bytes(rel, data if data is not None else bytes(255 - c for c in old))
 
+
+def test_a_damaged_file_in_the_bucket_is_a_miss_with_its_reason_and_never_pulled(s3, tmp_path):
+    """Bytes changed at the same size (a large weights file, beyond any size check) and a truncated
+    small file: each is a miss naming the file; a pull that finds damage while downloading refuses
+    it and leaves run_dir as it was."""
+    from pipeline.bucket import ContentMismatch
+    from pipeline.storage import ArtifactStore
+
+    bucket = s3.store("damaged")
+    _artifact(tmp_path / "a", "sft", "big", os.urandom(3 << 20), bucket)
+    _artifact(tmp_path / "a", "sft", "small", b"0123456789", bucket)
+    b = ArtifactStore(tmp_path / "b", bucket)
+    _corrupt(bucket, "sft", "big", "model/weights.bin")
+    _corrupt(bucket, "sft", "small", "model/weights.bin", b"0123")
+    big, small = b.lookup("sft", "big"), b.lookup("sft", "small")
+    assert big.where == "missing" and "model/weights.bin changed after it was uploaded" in big.problem
+    assert small.where == "missing" and "model/weights.bin has 4 bytes, 10 when made" in small.problem
+    assert b.pull("sft", "big") is None and not b.local_dir("sft", "big").exists()
+
+    # Damage the HEAD check cannot see (the recorded ETag forged too): the download's hash refuses it.
+    rel = "artifacts/sft/big/manifest.json"
+    manifest = json.loads(bucket.read_bytes(rel))
+    manifest["etags"]["model/weights.bin"] = bucket.etag(f"artifacts/sft/big/{manifest['copy']}/model/weights.bin")
+    bucket.write_bytes(rel, json.dumps(manifest).encode())
+    assert b.lookup("sft", "big").where == "bucket"
+    with pytest.raises(ContentMismatch, match="does not hold the bytes its manifest records"):
+        b.pull("sft", "big")
+    assert not b.local_dir("sft", "big").exists() and not list((tmp_path / "b" / "artifacts" / "sft").glob(".big*-*"))
+
+
+def test_a_bucket_manifest_naming_paths_outside_its_artifact_is_refused(s3, tmp_path):
+    from pipeline.storage import ArtifactStore
+
+    bucket = s3.store("absolute")
+    _artifact(tmp_path / "a", "sft", "k", b"w", bucket)
+    for outputs, files in (({"model": "/etc"}, None), ({"model": "../../x"}, None), (None, {"/etc/passwd": {}})):
+        manifest = json.loads(bucket.read_bytes("artifacts/sft/k/manifest.json"))
+        manifest["outputs"] = outputs or manifest["outputs"]
+        manifest["files"] = {**manifest["files"], **(files or {})}
+        for name in files or {}:
+            manifest["files"][name] = {"size": 1, "sha256": "0" * 64}
+        bucket.write_bytes("artifacts/sft/k/manifest.json", json.dumps(manifest).encode())
+        found = ArtifactStore(tmp_path / "b", bucket).lookup("sft", "k")
+        assert found.where == "missing" and "a path outside the artifact" in found.problem, (outputs, files)
+        _artifact(tmp_path / "a2", "sft", "k", b"w", bucket)  # a good copy again for the next case
+
+
+def test_an_etag_that_is_not_an_s3_etag_is_a_storage_error(s3, tmp_path, monkeypatch):
+    """A content check against a store whose ETags are not '<md5>' or '<md5>-N' names the object."""
+    from pipeline.bucket import ObjectStore
+    from pipeline.errors import StorageError
+
+    store = s3.store("etag")
+    (tmp_path / "f").write_bytes(b"x")
+    store.upload_file(tmp_path / "f", "d/f")
+    store.download_dir("d", tmp_path / "out")  # a local copy the next pull compares with
+    for etag in ("abc-xyz", "d41d8cd98f00b204e9800998ecf8427e-x", "not-an-etag"):
+        monkeypatch.setattr(ObjectStore, "etag", lambda self, rel, etag=etag: etag)
+        with pytest.raises(StorageError, match=r"s3://.*/d/f.*neither '<md5>' nor '<md5>-N'"):
+            store.download_dir("d", tmp_path / "out", skip_same=True)
+
+
+def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
+    """Without an atomic exchange (some filesystems), the swap is two renames: if the second fails the
+    old copy is put back, and a process killed between them has its old copy restored at lookup."""
+    from pipeline import storage
+    from pipeline.storage import ArtifactStore
+
+    def no_exchange(a, b):
+        raise OSError(22, "Invalid argument")
+
+    store = ArtifactStore(tmp_path)
+    _artifact(tmp_path, "sft", "k", b"old")
+    before = store.manifest("sft", "k")
+    work = store.begin("sft", "k")
+    (work / "model").mkdir()
+    (work / "model" / "weights.bin").write_bytes(b"new")
+    monkeypatch.setattr(storage, "_exchange", no_exchange)
+    real = os.replace
+
+    def second_rename_fails(src, dst):
+        if Path(src) == work:
+            raise OSError(28, "No space left on device")
+        return real(src, dst)
+
+    monkeypatch.setattr(storage.os, "replace", second_rename_fails)
+    with pytest.raises(OSError, match="No space left"):
+        store.commit("sft", "k", {"outputs": {"model": "model"}})
+    monkeypatch.setattr(storage.os, "replace", real)
+    assert store.manifest("sft", "k") == before
+    assert (store.local_dir("sft", "k") / "model" / "weights.bin").read_bytes() == b"old"
+
+    # Killed between the renames: the finished copy is set aside and the new one not yet in place.
+    aside = tmp_path / "artifacts" / "sft" / ".old" / "k"
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(store.local_dir("sft", "k"), aside)
+    assert store.lookup("sft", "k").where == "here" and store.manifest("sft", "k") == before
+
+    # With the exchange (this machine's filesystem has it), the new copy replaces the old one whole.
+    monkeypatch.undo()
+    store.commit("sft", "k", {"outputs": {"model": "model"}})
+    assert (store.local_dir("sft", "k") / "model" / "weights.bin").read_bytes() == b"new"
+    assert not work.exists() and not aside.exists()
+
+
+def test_every_output_file_has_a_content_hash_and_a_same_size_edit_is_damage(tmp_path):
+    """Large files too (model weights): a same-size edit of a multi-MiB file is damage, not a hit."""
+    from pipeline.storage import ArtifactStore
+
+    out = _artifact(tmp_path, "sft", "k", os.urandom(3 << 20))
+    store = ArtifactStore(tmp_path)
+    manifest = store.manifest("sft", "k")
+    assert set(manifest["files"]["model/weights.bin"]) == {"size", "sha256"}
+    data = bytearray((out / "model" / "weights.bin").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (out / "model" / "weights.bin").write_bytes(bytes(data))
+    found = ArtifactStore(tmp_path).lookup("sft", "k")
+    assert found.where == "missing" and "model/weights.bin changed after it was made" in found.problem
+
+
+def test_a_worker_pulls_the_artifact_its_node_lacks(node_storage, tmp_path):
     active_store = node_storage.store
-    _artifact(tmp_path / "driver", "sft", "k", b"weights")
-    storage.push_artifact(active_store, tmp_path / "driver", "sft", "k")
+    _artifact(tmp_path / "driver", "sft", "k", b"weights", active_store)
     wanted = tmp_path / "node" / "artifacts" / "sft" / "k" / "model"
     assert node_storage.localize(wanted) == wanted and (wanted / "weights.bin").read_bytes() == b"weights"
     with pytest.raises(FileNotFoundError, match=rf"nowhere.*neither on this node nor in {active_store.uri}"):
@@ -138,6 +262,8 @@ def test_a_worker_pulls_the_artifact_its_node_lacks(node_storage, tmp_path):
     # Ray Data and Ray Train address run_dir paths in the bucket; other paths stay local.
     where, fs = node_storage.target(tmp_path / "node" / "checkpoints" / "sft" / "k")
     assert where == active_store.path("checkpoints/sft/k") and fs is not None
+    copy = node_storage.artifacts.manifest("sft", "k")["copy"]  # an artifact's path: its current copy
+    assert node_storage.target(wanted / "weights.bin")[0] == active_store.path(f"artifacts/sft/k/{copy}/model/weights.bin")
     assert node_storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
 
 
@@ -198,10 +324,13 @@ def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3, tmp_path):
 
     store = s3.store("pipeline")
     keys = {n: stages[n]["cache_key"] for n in ("model", "data")}
-    for name, key in keys.items():  # every finished artifact is in the bucket, manifest included
+    copies = {}
+    for name, key in keys.items():  # every finished artifact is in the bucket, its manifest naming its copy
         local = _tree(tmp_path / "first" / "artifacts" / name / key)
-        assert store.files(f"artifacts/{name}/{key}") == {k: len(v) for k, v in local.items()}
-    assert any(n.endswith(".parquet") for n in store.files(f"artifacts/data/{keys['data']}/sft/train"))
+        copies[name] = json.loads(local.pop("manifest.json"))["copy"]
+        assert store.files(f"artifacts/{name}/{key}/{copies[name]}") == {k: len(v) for k, v in local.items()}
+    assert any(n.endswith(".parquet") for n in store.files(f"artifacts/data/{keys['data']}/{copies['data']}/sft/train"))
+    assert store.files("scratch") == {}  # the data stage's writes through the bucket leave nothing behind
 
     # A new machine (an empty run_dir) on the same bucket: nothing reruns, everything is pulled.
     second = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'second'}", *store_args, "--to", "data", "--json")
@@ -218,7 +347,7 @@ def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3, tmp_path):
 
 def test_local_etags_match_what_s3_reports_for_single_and_multipart_uploads(s3, tmp_path):
     """A pyarrow upload above its part size is multipart ("<md5 of part md5s>-N"): recognised too."""
-    from pipeline.storage import local_etags
+    from pipeline.bucket import local_etags
 
     store = s3.store("etags")
     for name, size in (("small", 1000), ("big", (10 << 20) + 123)):

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from conftest import SMOKE, smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.runner import run_pipeline
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def test_the_best_trial_is_the_one_with_the_best_reported_metric(sweep, tracking
     tagged = [r.info.run_id for r in runs if r.data.tags.get("best_trial") == "true"]
     assert tagged == [best_run]
     manifest = first["stages"]["tune"]
-    out = artifacts.artifact_dir(cfg.run_dir, "tune", manifest["key"])
+    out = storage.artifact_dir(cfg.run_dir, "tune", manifest["key"])
     best = json.loads((out / "best_config.json").read_text())
     assert best["mlflow_run_id"] == best_run
     assert best["value"] == pytest.approx(final[best_run])
@@ -103,7 +103,7 @@ def test_use_tuned_trains_sft_with_the_best_value_and_the_sweep_is_cached(sweep,
     cfg, first, second = sweep
     plan = {p.spec.name: p for p in second["plan"]}
     assert plan["tune"].status == "hit"  # unchanged sweep: not rerun (use_tuned does not change its key)
-    best = json.loads((artifacts.artifact_dir(cfg.run_dir, "tune", first["stages"]["tune"]["key"])
+    best = json.loads((storage.artifact_dir(cfg.run_dir, "tune", first["stages"]["tune"]["key"])
                        / "best_config.json").read_text())["params"]["lr"]
     run = _client(tracking_uri).get_run(second["run_ids"]["sft"])
     assert float(run.data.params["stages.sft.lr"]) == best != 3e-3  # smoke.yaml's own lr is 3e-3

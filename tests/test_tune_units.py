@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import smoke_config
-from pipeline import artifacts
+from pipeline import storage
 from pipeline.errors import ConfigError
 from pipeline.runner import build_plan
 from stages.tune import best_trial, last_reported, trial_status
@@ -80,10 +80,9 @@ def test_last_reported_skips_a_final_report_without_the_metric():
 def _finish_sweep(cfg, params: dict) -> None:
     """Write a finished tune artifact (manifest + best_config.json) for the sweep's current key."""
     key = {p.spec.name: p for p in build_plan(cfg)}["tune"].key
-    out = artifacts.artifact_dir(cfg.run_dir, "tune", key)
-    out.mkdir(parents=True)
-    (out / "best_config.json").write_text(json.dumps({"params": params}))
-    artifacts.write_json_atomic(out / artifacts.MANIFEST, {"key": key, "outputs": {"best_config": "best_config.json"}})
+    store = storage.ArtifactStore(cfg.run_dir)
+    (store.begin("tune", key) / "best_config.json").write_text(json.dumps({"params": params}))
+    store.commit("tune", key, {"outputs": {"best_config": "best_config.json"}})
 
 
 def test_use_tuned_keys_the_target_on_the_sweeps_values_not_on_the_sweep(tmp_path):
@@ -170,7 +169,7 @@ def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, trac
     finally:
         sys.modules.pop("toy_tune", None)
         sys.modules.pop("toy_target", None)
-    out = artifacts.output_paths(first["stages"]["toy_target"], artifacts.artifact_dir(
+    out = storage.output_paths(first["stages"]["toy_target"], storage.artifact_dir(
         cfg.run_dir, "toy_target", first["stages"]["toy_target"]["key"]))["target_out"]
     assert out.read_text() == "0.007"  # smoke.yaml's sft lr is 0.003
     assert (cfg.run_dir / "executions.log").read_text().split() == ["tune", "target"]  # nothing ran twice
