@@ -23,12 +23,29 @@ logging (Ray's C++ core, tqdm bars, prints), so the router points fds 1 and 2 at
 reads, and writes the console through duplicates of the original descriptors. Ray's forwarded
 worker output is taken from Ray's own dispatcher (`ray._private.ray_logging`, no public hook
 exists) in place of the handler that prints it, so lines keep the worker's name in the log file.
+
+The console never blocks or fails the run. Everything this process and its children print passes
+through one pipe, so the thread that reads it (`Router._pump`) must never stop: a writer to a full
+pipe (Python, Ray's C++ logging, vLLM, a child process) would wait forever. Each line is handled on
+its own and a failure becomes a note in the log; a malformed progress event is dropped with a note.
+A log that cannot be opened or written (a full disk, a read-only or vanished directory) is reported
+once on the console, its output is dropped, and the log is tried again when the next one opens (each
+stage, then `run.log`) and every `LOG_RETRY_S`: a stage's work never depends on its log. The
+console itself is a stream that never raises (a closed pipe, a hung-up terminal). A fatal signal in
+the driver (a segfault in C++, an abort) cannot go through the pipe, whose reader dies with the
+process, so `faulthandler` writes the Python stacks to the current log file's descriptor directly;
+a child's crash output goes through the pipe like the rest. When a stage fails, its traceback
+follows its last output in the log (the pipe is drained first) and the console gets one line naming
+that log.
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import io
 import json
+import math
 import os
 import re
 import sys
@@ -40,6 +57,8 @@ from typing import Any, Iterator
 MARK = "::pipeline:: "  # prefix of an event line written by a worker (JSON after it)
 PLAIN_INTERVAL_S = 30.0  # off a terminal, at most one progress line per phase this often
 MAX_NOTICES = 5  # library lines that matter, shown per stage before "more in the log"
+LOG_RETRY_S = 60.0  # a log that could not be written is tried again this often (and at each stage)
+MAX_LINE = 1 << 20  # bytes without a newline (a tqdm bar's carriage returns) routed as one line
 # Library lines worth one console line: errors, tracebacks, dead engines/actors, the OOM killer.
 # Not Ray's C++ "E" lines: on this stack they are warnings about actor arguments, every run.
 NOTICE = re.compile(r"\bERROR\b|\bCRITICAL\b|Traceback \(most recent call last\)|EngineDeadError|ActorDiedError|"
@@ -66,13 +85,18 @@ def advance(task: str, done: int | None = None, total: int | None = None, unit: 
 
 
 def _send(event: dict) -> None:
-    if _router is not None:
-        _router.event(event)
-        return
-    # Not `print`: Ray Train patches it in its workers to log through the root logger as well, and
-    # every line reached the console twice.
-    sys.stdout.write(MARK + json.dumps(event) + "\n")
-    sys.stdout.flush()
+    """Never raises: a progress report is not worth a training step (a value JSON cannot hold is sent
+    as its text, and a stdout that cannot be written drops the line)."""
+    try:
+        if _router is not None:
+            _router.event(event)
+            return
+        # Not `print`: Ray Train patches it in its workers to log through the root logger as well, and
+        # every line reached the console twice.
+        sys.stdout.write(MARK + json.dumps(event, default=str) + "\n")
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001, S110 - see the docstring
+        pass
 
 
 def parse(line: str) -> dict | None:
@@ -88,6 +112,29 @@ def parse(line: str) -> dict | None:
 
 
 # --------------------------------------------------------------------------- progress, pure
+
+
+def progress_event(e: dict) -> dict:
+    """`e` (an `advance` event) with the field types `Board` needs; ValueError if it is malformed.
+
+    Events arrive as text from other processes, so they are checked here, before any of their
+    values reaches a live bar (rich draws those from its own thread, where a bad total would stop
+    the display for good)."""
+    if not isinstance(e, dict) or "task" not in e:
+        raise ValueError("a progress event needs a task")
+    checked = {"task": str(e["task"]), "unit": str(e.get("unit") or "step"), "note": str(e.get("note") or ""),
+               "total": None if e.get("total") is None else _count(e["total"])}
+    if "by" in e:
+        checked["by"] = _count(e["by"])
+    else:
+        checked["done"] = _count(e.get("done") or 0)
+    return checked
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"not a count: {value!r}")
+    return int(value)
 
 
 def rate_eta(first: tuple[float, int], now: float, done: int, total: int | None) -> tuple[float | None, float | None]:
@@ -134,14 +181,16 @@ class Board:
         self._bars = None
 
     def update(self, e: dict) -> None:
-        now, task, total, unit = time.time(), str(e["task"]), e.get("total"), e.get("unit", "step")
+        """Show one `advance` event; ValueError (nothing changed) if it is malformed."""
+        e = progress_event(e)
+        now, task, total, unit = time.time(), e["task"], e["total"], e["unit"]
         t = self._tasks.get(f"{task}/{unit}")  # a stage's phases differ by unit: serve's replicas, then requests
-        done = (t["done"] if t else 0) + int(e["by"]) if "by" in e else int(e.get("done") or 0)
+        done = (t["done"] if t else 0) + e["by"] if "by" in e else e["done"]
         if t is None:
             t = self._tasks[f"{task}/{unit}"] = {"first": (now, 0 if "by" in e else done), "shown": None, "bar": None}
         t["done"] = done
         rate, eta = rate_eta(t["first"], now, done, total)
-        note = str(e.get("note") or "")
+        note = e["note"]
         if self.live:
             self._bar(task, t, progress_line("", unit, done, total, rate, eta, note).removeprefix(": "), done, total)
             return
@@ -154,8 +203,11 @@ class Board:
         from rich.progress import BarColumn, Progress, TextColumn
 
         if self._bars is None:
+            # Not rich's redirection of sys.stdout/stderr: it sent the driver's library prints to the
+            # console while a bar was up (the router reads fds 1 and 2 into the log).
             self._bars = Progress(TextColumn("  {task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                                  console=self.console, transient=False)
+                                  console=self.console, transient=False, redirect_stdout=False,
+                                  redirect_stderr=False)
             self._bars.start()
         if t["bar"] is None:
             t["bar"] = self._bars.add_task(task, total=total, completed=done, info=info)
@@ -173,6 +225,43 @@ class Board:
 # --------------------------------------------------------------------------- the driver
 
 
+class ConsoleStream(io.TextIOWrapper):
+    """A duplicate of the original stdout or stderr whose writes never raise.
+
+    A console that went away (the reading end of a pipe closed, a hung-up terminal) must not stop
+    the run: rich, on a broken pipe, exits the process from whichever thread was printing (and
+    points fd 1 at /dev/null). After the first failed write the console is left alone."""
+
+    gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return super().write(text)
+            except (OSError, ValueError):
+                self.gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                super().flush()
+            except (OSError, ValueError):
+                self.gone = True
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            super().close()
+
+
+def _console_stream(fd: int) -> ConsoleStream:
+    try:
+        fd = os.dup(fd)
+    except OSError:  # started with that descriptor closed: nobody would read the console
+        fd = os.open(os.devnull, os.O_WRONLY)
+    return ConsoleStream(open(fd, "wb"), encoding="utf-8", errors="replace", line_buffering=True)  # noqa: SIM115
+
+
 class Router:
     """Console and log files of one `python -m pipeline run` process (see the module docstring).
 
@@ -182,18 +271,26 @@ class Router:
 
     def __init__(self, verbose: bool = False):
         self.verbose = verbose
-        self.out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
-        self.err = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+        self.out = _console_stream(1)
+        self.err = _console_stream(2)
         self.console = None  # the rich console our lines go to; set by the caller
         self.log_path: Path | None = None
         self._logs_dir: Path | None = None
-        self._file = None
+        self._log_name = "run"
+        self._fd: int | None = None  # the log file's descriptor; None while there is none to write
+        self._log_error: str | None = None  # why library output is being dropped (None: it is not)
+        self._dropped_since = ""
+        self._retry_at = 0.0
+        self._log_warned = False
         self._stage = "run"
         self._lock = threading.RLock()
         self._board: Board | None = None
         self._notices = 0
         self._synced = threading.Event()
         self._capturing = False
+        self._read_end: int | None = None
+        self._pump_thread: threading.Thread | None = None
+        self._faulthandler_was = False
 
     # ---- set-up
 
@@ -201,15 +298,12 @@ class Router:
     def capture(self, run_dir: Path) -> Iterator[Router]:
         """Send fds 1 and 2 (this process's and its children's) to the log files until the block ends."""
         self._logs_dir = Path(run_dir) / "logs"
-        self._logs_dir.mkdir(parents=True, exist_ok=True)
+        self._faulthandler_was = faulthandler.is_enabled()
         self._open("run", mode="a")
-        read_end, write_end = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(write_end, 1)
-        os.dup2(write_end, 2)
-        os.close(write_end)
-        threading.Thread(target=self._pump, args=(read_end,), name="pipeline-log-pump", daemon=True).start()
+        if not self._redirect():
+            self._close_log()
+            yield self
+            return
         self._capturing = True
         try:
             yield self
@@ -219,14 +313,34 @@ class Router:
             self._capturing = False
             os.dup2(self.out.fileno(), 1)
             os.dup2(self.err.fileno(), 2)
-            with self._lock:
-                if self._file:
-                    self._file.close()
-                    self._file = None
+            self._close_log()
+
+    def _redirect(self) -> bool:
+        """Point fds 1 and 2 at a pipe read by the pump thread; False (library output stays on the
+        console) if the process has no descriptor left for one."""
+        try:
+            read_end, write_end = os.pipe()
+        except OSError as exc:
+            self._print(f"  [yellow]! library output stays on the console: no pipe for it ({_escape(_why(exc))})[/]")
+            return False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(write_end, 1)
+        os.dup2(write_end, 2)
+        os.close(write_end)
+        self._read_end = read_end
+        self._start_pump()
+        return True
+
+    def _start_pump(self) -> None:
+        self._pump_thread = threading.Thread(target=self._pump, args=(self._read_end,), name="pipeline-log-pump",
+                                             daemon=True)
+        self._pump_thread.start()
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[Path | None]:
-        """Library output of the block goes to `logs/<name>.log` (the last run's is kept as `.1`); yields its path."""
+        """Library output of the block goes to `logs/<name>.log` (the last run's is kept as `.1`); yields
+        its path, or None if it could not be opened (the block runs all the same)."""
         if not self._capturing:
             yield None
             return
@@ -235,32 +349,118 @@ class Router:
         self._open(name, mode="w")
         path = self.log_path
         try:
-            yield path
-        except BaseException:
-            import traceback
-
-            with self._lock:
-                self._file.write(traceback.format_exc())
+            yield path if self._fd is not None else None
+        except BaseException as exc:
+            self._safely(self._stage_failed, name, path, exc)
             raise
         finally:
             self._sync()
             self._stop_board()
             if self._notices > MAX_NOTICES:
                 self._print(f"  [yellow]! {self._stage}: {self._notices - MAX_NOTICES} more such lines in "
-                            f"{_shown(path)}[/]")
+                            f"{_escape(_shown(path))}[/]")
             self._stage = "run"
             self._open("run", mode="a")
 
-    def _open(self, name: str, mode: str) -> None:
-        path = self._logs_dir / f"{name}.log"
-        if mode == "w" and path.exists():
-            path.replace(path.with_suffix(".log.1"))
+    def _stage_failed(self, name: str, path: Path | None, exc: BaseException) -> None:
+        """The traceback goes to the stage's log after all the stage printed (the pipe is drained
+        first), and the console gets one line naming the log (the command line prints the error)."""
+        if isinstance(exc, GeneratorExit):
+            return
+        import traceback
+
+        self._sync()
         with self._lock:
-            if self._file:
-                self._file.close()
-            self._file = open(path, mode, encoding="utf-8", errors="replace", buffering=1)
-            self._file.write(f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {name}\n")
-            self.log_path = path
+            self._write_log("".join(traceback.format_exception(exc)))
+            where = (f"its log: {_shown(path)}" if self._log_error is None else
+                     f"its log {_shown(path)} is incomplete ({self._log_error})")
+        what = "failed" if isinstance(exc, Exception) else "was interrupted"
+        self._print(f"  [red]{_escape(name)} {what}; {_escape(where)}[/]")
+
+    # ---- the log file
+
+    def _open(self, name: str, mode: str) -> None:
+        """Make `logs/<name>.log` the log ("w": a new one, the previous kept as `.log.1`; "a": append).
+
+        Never raises: a log that cannot be opened is reported like one that cannot be written
+        (`_log_failed`), and the next `_open` tries again."""
+        path = self._logs_dir / f"{name}.log" if self._logs_dir is not None else None
+        with self._lock:
+            self._log_name, self.log_path = name, path
+            try:
+                if path is None:
+                    raise FileNotFoundError("no run directory")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                if mode == "w" and path.exists():
+                    path.replace(path.with_suffix(".log.1"))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if mode == "w" else os.O_APPEND), 0o666)
+            except OSError as exc:
+                self._log_failed(exc)
+                return
+            self._use_fd(fd)
+            header = f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {name}\n"
+            if self._log_error is not None:
+                header += f"===== library output since {self._dropped_since} was dropped ({self._log_error})\n"
+            self._write_log(header)
+
+    def _use_fd(self, fd: int | None) -> None:
+        """Switch the log to `fd` (None: no log), pointing `faulthandler` at it before the old one closes.
+
+        A fatal signal in this process (a segfault in C++, an abort) kills the pump thread with it,
+        so the stacks faulthandler dumps must go to the log file directly, not through the pipe; with
+        no log file they go to the console."""
+        old, self._fd = self._fd, fd
+        with contextlib.suppress(Exception):
+            faulthandler.enable(file=fd if fd is not None else self.err.fileno(), all_threads=True)
+        if old is not None:
+            with contextlib.suppress(OSError):
+                os.close(old)
+
+    def _close_log(self) -> None:
+        """At the end of the capture: faulthandler back as it was before, then the log closed."""
+        with self._lock:
+            with contextlib.suppress(Exception):
+                if self._faulthandler_was and sys.stderr is not None:
+                    faulthandler.enable(file=sys.stderr, all_threads=True)
+                else:
+                    faulthandler.disable()
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None
+
+    def _write_log(self, text: str) -> None:
+        """Append `text` to the log. Never raises nor waits on a broken log: its output is dropped
+        (see `_log_failed`), and every `LOG_RETRY_S` the log is reopened to append."""
+        with self._lock:
+            if self._fd is None:
+                if self._log_error is None or time.monotonic() < self._retry_at or not self._capturing:
+                    return
+                self._open(self._log_name, mode="a")  # writes a header, and the text after it if that worked
+                if self._fd is None:
+                    return
+            data = text.encode("utf-8", errors="replace")
+            try:
+                while data:
+                    data = data[os.write(self._fd, data):]
+            except OSError as exc:
+                self._log_failed(exc)
+                return
+            self._log_error = None
+
+    def _log_failed(self, exc: OSError) -> None:
+        """The log could not be opened or written (a full disk, a read-only directory): drop its
+        output from now on rather than fail or block, and tell the person once per run."""
+        with self._lock:
+            self._use_fd(None)
+            if self._log_error is None:
+                self._log_error, self._dropped_since = _why(exc), time.strftime("%H:%M:%S")
+            self._retry_at = time.monotonic() + LOG_RETRY_S
+            if self._log_warned:
+                return
+            self._log_warned = True
+        self._print(f"  [yellow]! could not write {_escape(_shown(self.log_path))} ({_escape(_why(exc))}); library "
+                    f"output is dropped until it can be (tried again at each stage and every {LOG_RETRY_S:.0f}s)[/]")
 
     def capture_ray_logs(self) -> None:
         """Take over Ray's printing of forwarded worker output (call after every `ray.init`)."""
@@ -288,32 +488,57 @@ class Router:
             for line in lines:
                 event = parse(line)
                 if event is None:
-                    self._library(prefix + line)
+                    self._library([prefix + line])
                 else:
                     self.event(event)
         except Exception as exc:  # noqa: BLE001 - a broken line must not stop Ray's log thread
-            self._library(f"(pipeline could not route a log batch: {exc!r})")
+            self._safely(self._library, [f"(pipeline could not route a log batch: {exc!r})"])
 
     def _pump(self, fd: int) -> None:
+        """Read fds 1 and 2 until the pipe closes, routing each complete line.
+
+        This loop must never stop while the pipe is open: every writer to it (this process, Ray's C++
+        core, each child) would block for good once it holds 64 KiB. Routing catches its own
+        failures; only the end of the pipe ends the loop."""
         buf = b""
         while True:
             try:
                 chunk = os.read(fd, 65536)
-            except OSError:
+            except OSError:  # the read end was closed
                 return
             if not chunk:
                 return
-            *lines, buf = (buf + chunk).split(b"\n")
-            for raw in lines:
-                line = raw.decode("utf-8", errors="replace")
-                if line.startswith(_SYNC):
-                    self._synced.set()
+            buf += chunk
+            end = buf.rfind(b"\n")
+            if end < 0 and len(buf) < MAX_LINE:
+                continue
+            end = len(buf) if end < 0 else end
+            # A newline byte is never inside a UTF-8 sequence, so the text up to one decodes whole.
+            text, buf = buf[:end].decode("utf-8", errors="replace"), buf[end + 1:]
+            self._safely(self._route, text)
+
+    def _route(self, text: str) -> None:
+        """Complete lines from the pipe: runs of library lines to `_library`, our events to `event`,
+        sync marks to `_sync`'s waiter. Each is handled on its own (`_safely`)."""
+        if MARK not in text and _SYNC not in text:  # the common case, a chunk of library output: one write
+            self._safely(self._library, text.split("\n"))
+            return
+        run: list[str] = []
+        for line in text.split("\n"):
+            if _SYNC in line:  # the mark may follow output that ended without a newline
+                self._safely(self._library, run)
+                run, line = [], line.replace(_SYNC, "")
+                self._synced.set()
+                if not line:
                     continue
-                event = parse(line)
-                if event is None:
-                    self._library(line)
-                else:
-                    self.event(event)
+            event = parse(line) if MARK in line else None
+            if event is None:
+                run.append(line)
+                continue
+            self._safely(self._library, run)
+            run = []
+            self.event(event)
+        self._safely(self._library, run)
 
     def _sync(self, timeout: float = 2.0) -> None:
         """Wait until what was written to fds 1 and 2 so far has been read (so it lands in this stage's log)."""
@@ -322,33 +547,55 @@ class Router:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if self._pump_thread is not None and not self._pump_thread.is_alive():
+            self._start_pump()  # cannot happen (`_pump` handles its failures); were it to, writers would block
         self._synced.clear()
         with contextlib.suppress(OSError):
             os.write(1, (_SYNC + "\n").encode())
         self._synced.wait(timeout)
 
+    def _safely(self, fn, *args) -> None:
+        """`fn(*args)`, any failure noted in the log instead of raised (for the pump and the error paths)."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            with contextlib.suppress(Exception):
+                self._write_log(f"(pipeline: {getattr(fn, '__name__', fn)} failed: {exc!r})\n")
+
     # ---- output
 
-    def _library(self, line: str) -> None:
+    def _library(self, lines: list[str]) -> None:
+        """Library lines: to the log (with `verbose` to the console as well); one that matters also
+        reaches the console as a notice naming the log."""
+        if not lines:
+            return
+        text = "\n".join(lines) + "\n"
         with self._lock:
-            if self._file:
-                self._file.write(line + "\n")
+            self._write_log(text)
             if self.verbose:
-                self.err.write(line + "\n")
+                self.err.write(text)
                 return
-            if NOTICE.search(line):
-                self._notices += 1
-                if self._notices <= MAX_NOTICES:
-                    text = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
-                    self._print(f"  [yellow]! {self._stage}: {_escape(text[:200])}[/] (see {_shown(self.log_path)})")
+            if not NOTICE.search(text):
+                return
+            for line in lines:
+                if NOTICE.search(line):
+                    self._notices += 1
+                    if self._notices <= MAX_NOTICES:
+                        shown = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+                        self._print(f"  [yellow]! {self._stage}: {_escape(shown[:200])}[/] "
+                                    f"(see {_escape(_shown(self.log_path))})")
 
     def event(self, event: dict) -> None:
-        """Show one of our events (a line, or progress)."""
+        """Show one of our events (a line, or progress). Never raises: a malformed event (from any
+        process's output) is dropped with a note in the log."""
         with self._lock:
-            if "line" in event:
-                self._print(stamped(_escape(str(event["line"]))))
-                return
-            self._progress(event)
+            try:
+                if "line" in event:
+                    self._print(stamped(_escape(str(event["line"]))))
+                    return
+                self._progress(event)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                self._write_log(f"(pipeline: dropped a malformed event {_repr(event)}: {exc})\n")
 
     def _progress(self, e: dict) -> None:
         if self.console is None:
@@ -360,14 +607,18 @@ class Router:
     def _stop_board(self) -> None:
         with self._lock:
             if self._board is not None:
-                self._board.stop()
-                self._board = None
+                board, self._board = self._board, None
+                self._safely(board.stop)
 
     def _print(self, markup: str) -> None:
-        if self.console is not None:
-            self.console.print(markup)
-        else:
-            self.err.write(re.sub(r"\[/?[a-z ]*\]", "", markup) + "\n")
+        """One line on the console. Never raises: the run goes on without a console."""
+        try:
+            if self.console is not None:
+                self.console.print(markup)
+            else:
+                self.err.write(re.sub(r"\[/?[a-z ]*\]", "", markup) + "\n")
+        except (Exception, SystemExit):  # noqa: BLE001 - SystemExit: rich's answer to a broken pipe
+            pass
 
 
 def _escape(text: str) -> str:
@@ -382,6 +633,19 @@ def _shown(path: Path | None) -> str:
     with contextlib.suppress(ValueError):
         return str(path.relative_to(Path.cwd()))
     return str(path)
+
+
+def _why(exc: BaseException) -> str:
+    """An OSError without its file name (the message names the file): '[Errno 28] No space left on device'."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _repr(event: Any) -> str:
+    with contextlib.suppress(Exception):
+        return json.dumps(event, default=str)[:500]
+    return repr(event)[:500]
 
 
 def install(router: Router | None) -> None:

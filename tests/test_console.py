@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from conftest import ROOT
 from pipeline.console import MARK, Board, parse, progress_line, rate_eta
@@ -125,3 +129,223 @@ def test_on_a_terminal_progress_is_a_live_bar_with_rate_and_eta(monkeypatch):
     board.stop()
     shown = out.getvalue()
     assert "━" in shown and "step 6/12 (50%), 2 step/s, ETA 3s, loss 2.31" in shown
+
+
+# --------------------------------------------------------------------------- the console never blocks or fails the run
+
+SCRIPT = textwrap.dedent(r'''
+    import builtins, errno, json, logging, os, resource, signal, subprocess, sys, time
+    from pathlib import Path
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the crash tests leave no core file behind
+    if "console-gone" in sys.argv:  # fds 1 and 2 are a pipe nobody reads any more
+        r, w = os.pipe()
+        os.close(r)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.close(w)
+
+    from rich.console import Console
+    from pipeline.console import MARK, Router, advance, install, say
+
+    run_dir = Path(sys.argv[1])
+    router = Router()
+    router.console = Console(file=router.out, highlight=False, soft_wrap=True, force_terminal="live" in sys.argv)
+    install(router)
+
+
+    def log_files_fail(how, name=".log"):
+        """Opening a log file (under logs/, its name ending `name`) gives /dev/full (how="full") or
+        fails with EROFS; both `os.open` and `open` are patched, whichever the router uses."""
+        real_os_open, real_open = os.open, builtins.open
+
+        def hit(path):
+            return isinstance(path, (str, os.PathLike)) and "/logs/" in str(path) and str(path).endswith(name)
+
+        def fake_os_open(path, flags, mode=0o777, **kw):
+            if not hit(path):
+                return real_os_open(path, flags, mode, **kw)
+            if how == "full":
+                return real_os_open("/dev/full", os.O_WRONLY)
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+        def fake_open(file, mode="r", *args, **kw):
+            if not hit(file):
+                return real_open(file, mode, *args, **kw)
+            if how == "full":
+                return real_open("/dev/full", mode.replace("a", "w"), *args, **kw)
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(file))
+
+        os.open, builtins.open = fake_os_open, fake_open
+''')
+
+
+def _script(tmp_path, body: str, *args, timeout: float = 90):
+    """Run SCRIPT + `body` in its own process (the router takes over its fds 1 and 2). A run that
+    blocks fails the test (TimeoutExpired) instead of hanging it."""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT + textwrap.dedent(body))
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "run"), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=timeout)
+
+
+def _log(tmp_path, name: str) -> str:
+    return (tmp_path / "run" / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+MEGABYTES = r'''
+    with router.capture(run_dir):
+        with router.stage("sft") as path:
+            line = "x" * 1023 + "\n"
+            for _ in range(4096):  # 4 MiB to each of fd 1 and fd 2 from Python
+                sys.stdout.write(line)
+                sys.stderr.write(line)
+            sys.stdout.flush()
+            os.write(2, b"a C library's line\n" * 200_000)  # 4 MiB more, straight to the descriptor
+            subprocess.run(["sh", "-c", "yes | head -c 4000000; yes | head -c 4000000 >&2"], check=True)
+            say("sft: one of our lines")
+        router.console.print(f"stage-ok {path}")
+    print("run-ok")
+'''
+
+
+@pytest.mark.parametrize("disk", ["dev-full", "fills-up"])
+def test_a_log_on_a_full_disk_warns_once_and_never_blocks_the_stage(tmp_path, disk):
+    # dev-full: the stage's log is /dev/full from the start (ENOSPC at its first line). fills-up: the
+    # log files may not grow past 16 KiB (RLIMIT_FSIZE, EFBIG), so sft.log fills in the middle of the
+    # stage and its writes start failing while megabytes are still coming.
+    setup = ('log_files_fail("full", "sft.log")\n' if disk == "dev-full" else
+             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))\n")
+    result = _script(tmp_path, setup + textwrap.dedent(MEGABYTES))
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = (result.stdout + result.stderr).splitlines()
+    assert "run-ok" in console and "sft: one of our lines" in "\n".join(console)
+    assert any(line.startswith("stage-ok") for line in console)  # the block ended normally
+    warnings = [line for line in console if "could not write" in line]
+    assert len(warnings) == 1, console[-20:]
+    assert "logs/sft.log" in warnings[0]
+    assert ("No space left on device" if disk == "dev-full" else "File too large") in warnings[0]
+    # The next log opened says what was lost.
+    assert "library output since" in _log(tmp_path, "run") and "was dropped" in _log(tmp_path, "run")
+    if disk == "fills-up":
+        assert 0 < (tmp_path / "run" / "logs" / "sft.log").stat().st_size <= 16384
+
+
+def test_a_log_that_cannot_be_opened_costs_the_stage_nothing(tmp_path):
+    result = _script(tmp_path, r'''
+        log_files_fail("read-only")
+        with router.capture(run_dir):
+            print("outside any stage")
+            with router.stage("sft") as path:
+                print("a library print")
+                subprocess.run(["sh", "-c", "echo a child process line"], check=True)
+                say("sft: one of our lines")
+                (run_dir / "artifact").write_text("the stage's work")
+            router.console.print(f"stage-ok {path}")
+    ''')
+    assert result.returncode == 0, result.stderr[-3000:]
+    console = (result.stdout + result.stderr).splitlines()
+    assert "stage-ok None" in console  # the block ran; it had no log to name
+    assert (tmp_path / "run" / "artifact").read_text() == "the stage's work"
+    assert "sft: one of our lines" in result.stdout
+    warnings = [line for line in console if "could not write" in line]
+    assert len(warnings) == 1 and "logs/run.log" in warnings[0] and "Read-only file system" in warnings[0], console
+
+
+MALFORMED = [{"done": 1}, {"task": "sft", "done": "abc"}, {"task": "sft", "done": 1, "total": "12"},
+             {"task": "sft", "by": None}, {"task": "sft", "done": float("inf"), "total": 4}, ["not", "a", "dict"],
+             {"task": "sft", "done": 1, "total": 4, "note": {"a": [1]}, "unit": None}]
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_malformed_progress_event_never_kills_anything(tmp_path, live):
+    result = _script(tmp_path, r'''
+        bad = json.loads(sys.argv[2])
+        with router.capture(run_dir):
+            with router.stage("sft"):
+                advance("sft", 0, 4, "step")
+                for event in bad:  # from this process's own code
+                    router.event(event)
+                for event in bad:  # printed by a child process or a library of this one
+                    print(MARK + json.dumps(event), flush=True)
+                print(MARK + '{"task": "sft", "done": ', flush=True)  # cut short
+                router._ray_batch({"pid": 7, "actor_name": "RayTrainWorker", "ip": "a", "localhost": "a",
+                                   "lines": [MARK + json.dumps(event) for event in bad]})
+                print("a line after the malformed ones", flush=True)
+                print(MARK + json.dumps({"task": "sft", "done": 4, "total": 4}), flush=True)  # after those printed
+            router.console.print("stage-ok")
+    ''', json.dumps(MALFORMED), *(["live"] if live else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stage-ok" in result.stdout and "4/4" in result.stdout
+    log = _log(tmp_path, "sft")
+    assert "a line after the malformed ones" in log
+    assert log.count("dropped a malformed event") >= 2 * 6, log  # the driver's and the worker's, noted
+    assert "Traceback" not in log + result.stderr
+
+
+def test_a_malformed_progress_event_is_refused_before_it_reaches_a_bar():
+    from pipeline.console import progress_event
+
+    for event in MALFORMED[:-1]:
+        with pytest.raises(ValueError):
+            progress_event(event)
+    assert progress_event(MALFORMED[-1]) == {"task": "sft", "done": 1, "total": 4, "note": "{'a': [1]}",
+                                             "unit": "step"}
+
+
+def test_a_worker_progress_report_never_raises(capsys):
+    from pipeline import console
+
+    console.advance("sft", 1, 2, note=object())  # not JSON: sent as its text
+    assert capsys.readouterr().out.startswith(MARK)
+
+
+def test_a_child_that_crashes_leaves_its_output_in_the_log_and_the_console_names_the_log(tmp_path):
+    result = _script(tmp_path, r'''
+        crash = ("import faulthandler, sys; faulthandler.enable(); print('before-crash', flush=True); "
+                 "import ctypes; ctypes.string_at(0)")
+        with router.capture(run_dir):
+            try:
+                with router.stage("sft"):
+                    subprocess.run([sys.executable, "-c", crash], check=True)
+            except subprocess.CalledProcessError:
+                router.console.print("stage-failed")
+    ''')
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = _log(tmp_path, "sft")
+    # What the child printed, then its fatal error, then the stage's traceback after all of it.
+    assert 0 <= log.find("before-crash") < log.find("Fatal Python error: Segmentation fault") < log.find(
+        "CalledProcessError"), log
+    failed = [line for line in result.stdout.splitlines() if "sft failed" in line]
+    assert len(failed) == 1 and "its log: " in failed[0] and "logs/sft.log" in failed[0], result.stdout
+
+
+def test_a_fatal_signal_in_the_driver_dumps_its_stacks_into_the_stage_log(tmp_path):
+    # The pump thread dies with the process, so the dump cannot go through the pipe.
+    result = _script(tmp_path, r'''
+        with router.capture(run_dir):
+            with router.stage("sft"):
+                import ctypes
+                ctypes.string_at(0)
+    ''')
+    assert result.returncode == -signal.SIGSEGV
+    log = _log(tmp_path, "sft")
+    assert "Fatal Python error: Segmentation fault" in log and "script.py" in log, log
+
+
+def test_a_console_that_went_away_does_not_stop_the_run(tmp_path):
+    result = _script(tmp_path, r'''
+        with router.capture(run_dir):
+            with router.stage("sft"):
+                print("a library print")
+                say("sft: one of our lines")
+                for step in range(3):
+                    advance("sft", step, 2)
+                logging.getLogger("vllm").error("EngineDeadError: the engine died")
+            router.console.print("summary")
+        (run_dir / "finished").write_text("yes")
+    ''', "console-gone")
+    assert result.returncode == 0
+    assert (tmp_path / "run" / "finished").exists()
+    assert "a library print" in _log(tmp_path, "sft")
