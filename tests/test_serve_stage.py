@@ -230,6 +230,51 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
         assert http.get("/-/healthz").status_code == 200  # health needs no key
 
 
+def test_requests_asking_too_much_work_get_400_naming_the_limit_on_every_route(server):
+    """Each way a small body asks for unbounded work, sent over HTTP to the routes that take it: a 400 naming
+    the `stages.serve.limits` key to raise (the server's limits: max_tokens 32, the rest at their defaults),
+    answered by the guard in milliseconds; then ordinary completions and chat requests still answer 200. (The
+    other routes are checked for refusals only: this model's engine refuses even a good /tokenize request.)"""
+    import httpx
+
+    url, model = server
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    text = {"model": model, "prompt": "Calculate 1 + 1.", "max_tokens": 4}
+    deep = b"[" * 200000  # answered 500 (RecursionError) before the guard counted nesting
+    L = "stages.serve.limits."
+    cases = [  # (route, body, what the answer names)
+        ("/v1/completions", {**text, "prompt": ["1 + 1"] * 65}, f"{L}max_prompts (64)"),
+        ("/v1/completions", {**text, "prompt": [[1, 2]] * 65}, f"{L}max_prompts (64)"),
+        ("/v1/completions", {**text, "prompt": ["1 + 1"] * 64, "n": 8, "max_tokens": 32}, f"{L}max_request_tokens (8192)"),
+        ("/v1/completions", {**text, "prompt_logprobs": 6}, f"{L}max_logprobs (5)"),
+        ("/v1/completions", {**text, "logprobs": -1}, f"{L}max_logprobs"),
+        ("/v1/completions", {**text, "stop": ["a"] * 5}, f"{L}max_stop (4)"),
+        ("/v1/completions", {**text, "logit_bias": {str(i): 1 for i in range(301)}}, f"{L}max_logit_bias (300)"),
+        ("/v1/completions", {**text, "bad_words": ["a"] * 33}, f"{L}max_bad_words (32)"),
+        ("/v1/completions", {**text, "allowed_token_ids": list(range(1025))}, f"{L}max_token_ids (1024)"),
+        ("/v1/completions", {**text, "max_tokens": -1}, f"{L}max_tokens"),
+        ("/v1/completions", deep, f"{L}max_json_depth (32)"),
+        ("/v1/chat/completions", {**chat, "stop": "x" * 129}, f"{L}max_word_chars (128)"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": -1}, f"{L}max_logprobs"),
+        ("/v1/chat/completions", {**chat, "prompt_logprobs": 6}, f"{L}max_logprobs (5)"),
+        ("/v1/chat/completions", {**chat, "n": True}, "n must be an integer, not true"),
+        ("/v1/chat/completions", deep, f"{L}max_json_depth (32)"),
+        ("/v1/embeddings", {"model": model, "input": ["x"] * 65}, f"{L}max_prompts (64)"),
+        ("/v1/score", {"model": model, "text_1": "q", "text_2": ["d"] * 65}, f"{L}max_prompts (64)"),
+        ("/tokenize", deep, f"{L}max_json_depth (32)"),
+    ]
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        for route, body, expected in cases:
+            r = http.post(route, content=body if isinstance(body, bytes) else json.dumps(body),
+                          headers={"content-type": "application/json"})
+            error = r.json()["error"]
+            assert (r.status_code, error["code"], error["type"]) == (400, 400, "invalid_request_error"), (route, r.text)
+            assert expected in error["message"], (route, expected, error["message"])
+        for route, body in (("/v1/completions", text), ("/v1/chat/completions", chat)):
+            r = http.post(route, json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, (route, r.text)
+
+
 def test_binds_to_loopback_only(server):
     import psutil
 

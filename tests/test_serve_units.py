@@ -76,8 +76,8 @@ def test_registry_versions_only_changed_models_and_moves_the_alias(tmp_path):
         model_registry.fetch(str(tmp_path), uri, tmp_path / "cache")
 
 
-def _call(app, method: str, body: bytes = b"", headers=(), answer=(200, [b"ok"])):
-    """Send one request through an ASGI app whose inner app answers `answer` (status, body chunks);
+def _call(app, method: str, body: bytes = b"", headers=(), answer=(200, [b"ok"]), path: str = "/v1/completions"):
+    """Send one request to `path` through an ASGI app whose inner app answers `answer` (status, body chunks);
     returns (status, body bytes, body the inner app saw); the response headers are left in `_call.headers`."""
     seen, sent = {}, []
 
@@ -94,7 +94,7 @@ def _call(app, method: str, body: bytes = b"", headers=(), answer=(200, [b"ok"])
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": "/v1/completions", "headers": list(headers)}
+    scope = {"type": "http", "method": method, "path": path, "headers": list(headers)}
     asyncio.run(app(inner)(scope, receive, send))
     _call.headers = dict(sent[0]["headers"])
     return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:]), seen.get("body")
@@ -123,22 +123,162 @@ def test_request_guard_enforces_the_sampling_limits():
         return RequestGuard(inner, None, LimitsConfig(max_tokens=16, max_n=2, max_logprobs=3, max_body_bytes=2048))
 
     status, body, seen = _call(limited, "POST", b'{"max_tokens": 17}')
-    assert status == 400 and "max_tokens 17 exceeds this server's limit of 16" in json.loads(body)["error"]["message"]
+    assert status == 400 and "max_tokens: 17, above stages.serve.limits.max_tokens (16)" in \
+        json.loads(body)["error"]["message"]
     assert seen is None  # never reached the engine
     assert _call(limited, "POST", b'{"max_completion_tokens": 99}')[0] == 400
-    assert "n 3 exceeds" in json.loads(_call(limited, "POST", b'{"n": 3}')[1])["error"]["message"]
+    assert "n: 3, above stages.serve.limits.max_n (2)" in \
+        json.loads(_call(limited, "POST", b'{"n": 3}')[1])["error"]["message"]
     assert _call(limited, "POST", b'{"max_tokens": 16, "n": 2}')[0] == 200  # at the limits
-    big = LimitsConfig(max_tokens=200000)
+    big = LimitsConfig(max_tokens=200000, max_request_tokens=200000)
     assert _call(lambda inner: RequestGuard(inner, None, big), "POST", b'{"max_tokens": 100000}')[0] == 200
     # numbers that are not JSON integers are refused before any comparison could be fooled
     for bad in (b'{"n": "64"}', b'{"n": 1e4}', b'{"n": 2.0}', b'{"max_tokens": "9999"}', b'{"best_of": true}'):
         status, body, seen = _call(limited, "POST", bad)
         assert status == 400 and "must be an integer" in json.loads(body)["error"]["message"] and seen is None, bad
-    assert "best_of 3 exceeds" in json.loads(_call(limited, "POST", b'{"best_of": 3}')[1])["error"]["message"]
+    assert "best_of: 3, above" in json.loads(_call(limited, "POST", b'{"best_of": 3}')[1])["error"]["message"]
     assert _call(limited, "POST", b'{"top_logprobs": 4}')[0] == 400 and _call(limited, "POST", b'{"logprobs": 4}')[0] == 400
     assert _call(limited, "POST", b'{"logprobs": true, "top_logprobs": 3}')[0] == 200  # chat's boolean logprobs
     status, body, seen = _call(limited, "POST", b'{"prompt": "' + b"x" * 3000 + b'"}')
     assert status == 413 and seen is None
+
+
+# Small limits, so each case is a small body; the work budget (64) is below max_n x max_tokens (128) on purpose.
+SMALL = LimitsConfig(max_tokens=32, max_n=4, max_logprobs=3, max_prompts=8, max_request_tokens=64, max_stop=2,
+                     max_bad_words=2, max_word_chars=10, max_logit_bias=3, max_token_ids=5, max_json_depth=8)
+COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/embeddings"
+MESSAGES = [{"role": "user", "content": "hi"}]
+L = "stages.serve.limits."
+TOO_MUCH = {  # id: (route, body, what the objection says)
+    "prompt list": (COMPLETIONS, {"prompt": ["x"] * 9, "max_tokens": 1}, f"prompt: 9 prompts, above {L}max_prompts (8)"),
+    "token-id prompts": (COMPLETIONS, {"prompt": [[1, 2]] * 9, "max_tokens": 1}, f"prompt: 9 prompts, above {L}max_prompts"),
+    "prompt_embeds list": (COMPLETIONS, {"prompt_embeds": ["AA=="] * 9}, f"prompt_embeds: 9 prompts, above {L}max_prompts"),
+    "prompts x n x max_tokens": (COMPLETIONS, {"prompt": ["x"] * 4, "n": 2, "max_tokens": 16},
+                                 f"may generate 128 tokens (4 prompt(s) x n 2 x max_tokens 16), above "
+                                 f"{L}max_request_tokens (64)"),
+    "no max_tokens counts the limit": (COMPLETIONS, {"prompt": ["x"] * 3},
+                                       f"(none given: {L}max_tokens) 32), above {L}max_request_tokens (64)"),
+    "best_of counts": (COMPLETIONS, {"prompt": "x", "best_of": 3, "max_tokens": 32}, f"above {L}max_request_tokens"),
+    "chat n x max_completion_tokens": (CHAT, {"messages": MESSAGES, "n": 3, "max_completion_tokens": 32},
+                                       f"may generate 96 tokens (1 prompt(s) x n 3 x max_tokens 32), above "
+                                       f"{L}max_request_tokens"),
+    "chat n without max_tokens": (CHAT, {"messages": MESSAGES, "n": 3}, f"above {L}max_request_tokens (64)"),
+    "stop count": (COMPLETIONS, {"stop": ["a", "b", "c"]}, f"stop: 3 entries, above {L}max_stop (2)"),
+    "stop length": (CHAT, {"messages": MESSAGES, "stop": "x" * 11},
+                    f"stop: a string of 11 characters, above {L}max_word_chars (10)"),
+    "logit_bias": (COMPLETIONS, {"logit_bias": {"1": 1, "2": 1, "3": 1, "4": 1}},
+                   f"logit_bias: 4 entries, above {L}max_logit_bias (3)"),
+    "bad_words count": (COMPLETIONS, {"bad_words": ["a", "b", "c"]}, f"bad_words: 3 entries, above {L}max_bad_words (2)"),
+    "bad_words length": (CHAT, {"messages": MESSAGES, "bad_words": ["x" * 11]}, f"above {L}max_word_chars (10)"),
+    "allowed_token_ids": (COMPLETIONS, {"allowed_token_ids": list(range(6))},
+                          f"allowed_token_ids: 6 entries, above {L}max_token_ids (5)"),
+    "stop_token_ids": (CHAT, {"messages": MESSAGES, "stop_token_ids": list(range(6))}, f"above {L}max_token_ids (5)"),
+    "logprob_token_ids": (COMPLETIONS, {"logprobs": 3, "logprob_token_ids": [1, 2, 3, 4]}, f"above {L}max_logprobs (3)"),
+    "prompt_logprobs": (COMPLETIONS, {"prompt_logprobs": 4}, f"prompt_logprobs: 4, above {L}max_logprobs (3)"),
+    "chat prompt_logprobs": (CHAT, {"messages": MESSAGES, "prompt_logprobs": 4}, f"above {L}max_logprobs (3)"),
+    "min_tokens": (COMPLETIONS, {"min_tokens": 33}, f"min_tokens: 33, above {L}max_tokens (32)"),
+    "negative logprobs (the whole vocabulary to vLLM)": (
+        COMPLETIONS, {"logprobs": -1}, f"logprobs: -1 is below 0; this server takes 0 to 3 ({L}max_logprobs)"),
+    "negative prompt_logprobs": (COMPLETIONS, {"prompt_logprobs": -1}, "prompt_logprobs: -1 is below 0; this server "
+                                 "takes 0 to 3"),
+    "negative top_logprobs": (CHAT, {"messages": MESSAGES, "top_logprobs": -1}, "top_logprobs: -1 is below 0"),
+    "negative max_tokens": (COMPLETIONS, {"max_tokens": -5},
+                            f"max_tokens: -5 is below 0; this server takes 0 to 32 ({L}max_tokens)"),
+    "negative max_completion_tokens": (CHAT, {"messages": MESSAGES, "max_completion_tokens": -1},
+                                       "max_completion_tokens: -1 is below 0"),
+    "n of 0": (COMPLETIONS, {"n": 0}, f"n: 0 is below 1; this server takes 1 to 4 ({L}max_n)"),
+    "negative best_of": (COMPLETIONS, {"best_of": -2}, "best_of: -2 is below 1"),
+    "negative min_tokens": (CHAT, {"messages": MESSAGES, "min_tokens": -1}, "min_tokens: -1 is below 0"),
+    "bool n": (COMPLETIONS, {"n": True}, "n must be an integer, not true"),
+    "bool prompt_logprobs": (COMPLETIONS, {"prompt_logprobs": True}, "prompt_logprobs must be an integer, not true"),
+    "bool max_tokens": (CHAT, {"messages": MESSAGES, "max_tokens": False}, "max_tokens must be an integer, not false"),
+    "stop as an object": (COMPLETIONS, {"stop": {"a": 1}}, "stop must be a list"),
+    "stop of numbers": (COMPLETIONS, {"stop": [1]}, "stop must hold strings"),
+    "logit_bias as a list": (COMPLETIONS, {"logit_bias": [1, 2]}, "logit_bias must be an object"),
+    "prompt as a number": (COMPLETIONS, {"prompt": 5}, "prompt must be a string or a list"),
+    "embeddings input list": (EMBEDDINGS, {"input": ["x"] * 9}, f"input: 9 prompts, above {L}max_prompts (8)"),
+    "embeddings token-id inputs": (EMBEDDINGS, {"input": [[1], [2]] * 5}, f"input: 10 prompts, above {L}max_prompts"),
+    "score documents": ("/v1/score", {"text_1": "q", "text_2": ["d"] * 9}, f"text_2: 9 prompts, above {L}max_prompts"),
+    "tokenize prompt list": ("/tokenize", {"prompt": ["x"] * 9}, f"prompt: 9 prompts, above {L}max_prompts"),
+    "a route Ray may add later": ("/v1/responses", {"input": ["x"] * 9}, f"input: 9 prompts, above {L}max_prompts"),
+    "sampling fields on any route": ("/detokenize", {"tokens": [1], "n": -1}, "n: -1 is below 1"),
+}
+WITHIN = {  # id: (route, body): at the limits, or work that does not count
+    "prompts x n x max_tokens at the budget": (COMPLETIONS, {"prompt": ["x"] * 8, "max_tokens": 8}),
+    "one token-id prompt": (COMPLETIONS, {"prompt": list(range(500)), "n": 4, "max_tokens": 16}),
+    "chat at the budget": (CHAT, {"messages": MESSAGES, "n": 2}),
+    "scoring a prompt without generating": (COMPLETIONS, {"prompt": ["x"] * 8, "max_tokens": 0, "echo": True,
+                                                          "prompt_logprobs": 3}),
+    "embeddings generate nothing": (EMBEDDINGS, {"input": ["x"] * 8}),
+    "chat logprobs, stop, bias at their limits": (CHAT, {
+        "messages": MESSAGES, "logprobs": True, "top_logprobs": 3, "stop": ["a", "x" * 10],
+        "logit_bias": {"1": 1, "2": 1, "3": 1}, "allowed_token_ids": [1, 2, 3, 4, 5], "max_tokens": 32}),
+    "one stop string": (COMPLETIONS, {"stop": "x" * 10, "max_tokens": 4}),
+}
+
+
+@pytest.mark.parametrize("case", TOO_MUCH, ids=list(TOO_MUCH))
+def test_a_request_asking_too_much_work_is_refused_naming_the_limit(case):
+    route, body, expected = TOO_MUCH[case]
+    problem = check_body(json.dumps(body).encode(), SMALL, route)
+    assert problem is not None and expected in problem, problem
+    status, answer, seen = _call(lambda inner: RequestGuard(inner, None, SMALL), "POST", json.dumps(body).encode(),
+                                 path=route)
+    assert (status, seen) == (400, None)  # never reached the ingress
+    assert json.loads(answer) == {"error": {"message": problem, "type": "invalid_request_error", "param": None,
+                                            "code": 400}}
+
+
+@pytest.mark.parametrize("case", WITHIN, ids=list(WITHIN))
+def test_a_request_within_the_limits_passes_unchanged(case):
+    route, body = WITHIN[case]
+    raw = json.dumps(body).encode()
+    assert check_body(raw, SMALL, route) is None
+    assert _call(lambda inner: RequestGuard(inner, None, SMALL), "POST", raw, path=route)[::2] == (200, raw)
+
+
+def test_deep_or_malformed_json_is_a_400_never_a_500():
+    """`"[" * 200000` answered 500 (RecursionError in the parser) on a live server: the nesting is counted
+    before parsing, and a parser's RecursionError is still an objection, never an exception."""
+    deep = f"request body nests arrays/objects more than {L}max_json_depth"
+    for body in (b"[" * 200000, b'{"a":' * 100000, b"[" * 500 + b"]" * 500,
+                 b'{"prompt": ' + b"[" * 40 + b"]" * 40 + b"}"):
+        assert deep in check_body(body), body[:20]
+        status, answer, seen = _call(lambda inner: RequestGuard(inner, None), "POST", body)
+        assert status == 400 and deep in json.loads(answer)["error"]["message"] and seen is None
+    nested = lambda d: b'{"a": ' * d + b"1" + b"}" * d  # noqa: E731
+    assert check_body(nested(8), SMALL) is None and "max_json_depth (8)" in check_body(nested(9), SMALL)
+    # brackets inside strings (escaped quotes too) are text, not nesting
+    assert check_body(json.dumps({"prompt": '"[[[[[[[[[[[{{{{{{{{{{\\"', "max_tokens": 1}).encode(), SMALL) is None
+    for bad in (b"[}", b'{"a": [1, 2}', b'{"a": "unclosed', b"\xff\xfe", b'{"n": ' + b"9" * 5000 + b"}"):
+        assert check_body(bad, SMALL).startswith("request body is not valid JSON"), bad[:20]
+
+
+def test_every_post_route_of_the_ingress_goes_through_the_checks():
+    """The routes `build_app` serves are Ray Serve LLM's DEFAULT_ENDPOINTS: each POST one is in the guard's
+    table (a Ray upgrade adding one fails here), and each refuses a deep body and a negative field."""
+    from fastapi import FastAPI
+    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+
+    from stages.serve import ROUTES
+
+    app = FastAPI()
+    for route in DEFAULT_ENDPOINTS.values():
+        route(app)(lambda: None)
+    posts = {r.path for r in app.routes if "POST" in getattr(r, "methods", ())}
+    assert posts == set(ROUTES)
+    for path in sorted(posts):
+        for body, expected in ((b"[" * 200000, f"{L}max_json_depth"),
+                               (b'{"prompt_logprobs": -1}', f"{L}max_logprobs")):
+            status, answer, seen = _call(lambda inner: RequestGuard(inner, None), "POST", body, path=path)
+            assert status == 400 and expected in json.loads(answer)["error"]["message"] and seen is None, path
+
+
+def test_the_work_budget_holds_one_default_completion(tmp_path):
+    with pytest.raises(ConfigError, match=r"stages.serve.limits: max_request_tokens \(100\) is below max_tokens"):
+        smoke_config(tmp_path, "stages.serve.limits.max_request_tokens=100")
+    defaults = LimitsConfig()  # every single request within the per-field limits fits the budget
+    assert defaults.max_request_tokens >= defaults.max_tokens * defaults.max_n
 
 
 def test_a_dead_engine_is_answered_503_with_retry_after_and_other_errors_pass_through():
