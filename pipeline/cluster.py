@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline import storage
 from pipeline.console import capture_ray_logs
-from pipeline.tracking import cluster_store_problem
+from pipeline.tracking import cluster_store_problem, credentials_env
 
 # What the cluster's workers need of the project is its code, not the venv, runs or tests.
 RUNTIME_EXCLUDES = [".venv", ".git", "runs", "tests", "bench", "**/__pycache__", "*.egg-info", "mlruns"]
@@ -37,7 +37,9 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
     With `run_storage`, a multi-node cluster is first checked to reach the run's bucket from every
     node (`check_bucket`) or, without one, to share its run_dir (`check_shared_storage`). With
     `tracking_uri`, a multi-node cluster must track to a server, not a local file
-    (`tracking.cluster_store_problem`)."""
+    (`tracking.cluster_store_problem`). The tracking server's credentials, in this process's
+    environment since the config loaded, reach every worker: a local Ray's processes inherit the
+    environment, a cluster's workers get them as the job's runtime_env (`job_runtime_env`)."""
     import ray
 
     if ray.is_initialized():
@@ -47,8 +49,7 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
         from pipeline.artifacts import PROJECT_ROOT
 
         _check_reachable(address)
-        runtime_env = None if JOB_DRIVER_ENV in os.environ else {
-            "working_dir": str(PROJECT_ROOT), "excludes": RUNTIME_EXCLUDES}
+        runtime_env = job_runtime_env(PROJECT_ROOT)
         try:
             ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
             capture_ray_logs()  # workers' output: ours to the console, the rest to the stage's log file
@@ -87,6 +88,25 @@ def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambd
         )
         capture_ray_logs()
     return True
+
+
+def job_runtime_env(project_root: Path) -> dict | None:
+    """The runtime_env of a run joining a cluster: the project's code (unless this process is a
+    submitted job's driver, whose runtime_env has it) and the MLflow tracking credentials
+    (`tracking.credentials_env`), which workers on other nodes would not have otherwise; Ray merges
+    env_vars into every task's and actor's own runtime_env.
+
+    Ray keeps a job's runtime_env in its job table (`ray list jobs`, the dashboard) and its
+    runtime-env agent logs it on each node: whoever can open the cluster's dashboard can run code on
+    it anyway. A local Ray needs none of this: its workers inherit this process's environment."""
+    env = credentials_env()
+    if JOB_DRIVER_ENV in os.environ:  # Ray refuses an env var that the job's own runtime_env sets too
+        import json
+
+        job_env = (json.loads(os.environ[JOB_DRIVER_ENV]).get("runtime_env") or {}).get("env_vars") or {}
+        env = {k: v for k, v in env.items() if k not in job_env}
+        return {"env_vars": env} if env else None
+    return {"working_dir": str(project_root), "excludes": RUNTIME_EXCLUDES, **({"env_vars": env} if env else {})}
 
 
 def count_nodes(address: str) -> int:

@@ -24,6 +24,7 @@ from pipeline.errors import ConfigError
 from pipeline.schema import (Section, apply_override, flatten, format_validation_error, get_path,  # noqa: F401
                              to_plain, with_values)
 from pipeline.storage import StorageConfig
+from pipeline.tracking import redact, split_credentials, take_credentials
 from stages.batch_infer import BatchInferConfig
 from stages.common.models import ModelConfig
 from stages.common.tasks import TaskConfig
@@ -63,9 +64,19 @@ class MlflowConfig(Section):
     tracking_uri: str | None = Field(
         None,
         description="MLflow tracking URI ('http://host:5000', 'sqlite:///path.db', ...). Empty: a "
-        "SQLite store at <run_dir>/mlflow.db.",
+        "SQLite store at <run_dir>/mlflow.db. A server's credentials: 'https://USER:PASSWORD@host' "
+        "(percent-escape special characters, e.g. %2F for '/'), or 'https://USER@host' with the password in "
+        "MLFLOW_TRACKING_PASSWORD; they are taken out of the URI at load and passed as MLflow reads them "
+        "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, also to Ray workers); no output, log, "
+        "MLflow run or cache key shows the password, and changing it reruns nothing.",
     )
     experiment: str = Field("posttrain", min_length=1, description="MLflow experiment that holds the runs.")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _credentials_to_environment(cls, v: str | None) -> str | None:
+        # At load: the password goes to the environment, never into the config (tracking.take_credentials).
+        return take_credentials(v) if v else v
 
 
 class StagesConfig(Section):
@@ -168,7 +179,12 @@ class PipelineConfig(Section):
 
     @property
     def tracking_uri(self) -> str:
-        return self.mlflow.tracking_uri or f"sqlite:///{self.run_dir / 'mlflow.db'}"
+        """The store MLflow is given, shown and keyed on: a server's URI without its password (that
+        is in MLFLOW_TRACKING_PASSWORD since the config loaded, `tracking.take_credentials`), so
+        changing only the password changes no cache key."""
+        if self.mlflow.tracking_uri:
+            return split_credentials(self.mlflow.tracking_uri)[0]
+        return f"sqlite:///{self.run_dir / 'mlflow.db'}"
 
 
 # --------------------------------------------------------------------------- loading
@@ -178,11 +194,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """`"stages.data.max_len=256"` -> (['stages', 'data', 'max_len'], 256); values are YAML scalars."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
-        raise ConfigError(f"override {text!r}: expected key.path=value, e.g. stages.data.max_len=256")
+        raise ConfigError(f"override {redact(text)!r}: expected key.path=value, e.g. stages.data.max_len=256")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.problem})") from None
+        raise ConfigError(f"override {redact(text)!r}: value is not valid YAML ({exc.problem})") from None
     return key.strip().split("."), value
 
 

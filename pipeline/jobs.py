@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.errors import UserError
-from pipeline.tracking import redact, redacted_keys
+from pipeline.tracking import PASSWORD_ENV, USERNAME_ENV, is_local_store, redact, redacted_keys
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 SHIPPED = ("pipeline", "stages", "configs", "pyproject.toml")  # what a job needs of the project
@@ -84,8 +84,9 @@ def stage_package(cfg, config_name: str, dest: Path) -> Path:
         elif src.exists():
             shutil.copy2(src, dest / name)
     # The package is stored on the cluster (its GCS, every node's working_dir) and shown by its
-    # dashboard: URI passwords stay on this machine; the job's nodes authenticate from their own
-    # environment (MLFLOW_TRACKING_USERNAME/PASSWORD, AWS_* for the bucket), as `submit` warns.
+    # dashboard: URI passwords stay on this machine (the config holds none for the tracking server:
+    # it keeps https://USER@host); the job's nodes authenticate from their own environment
+    # (MLFLOW_TRACKING_PASSWORD, AWS_* for the bucket), as `submit` warns.
     (dest / config_name).write_text(yaml.safe_dump(redact(cfg.model_dump(mode="json"), mask=None), sort_keys=False),
                                     encoding="utf-8")
     return dest
@@ -99,8 +100,13 @@ def submit(cfg, config_path: Path, address: str | None, selection: dict, console
     stripped = redacted_keys(cfg.model_dump(mode="json"))
     if stripped:
         console.print(f"[yellow]the job's config carries {', '.join(stripped)} without its password (the package is "
-                      "stored on the cluster); the cluster's nodes must supply it themselves, e.g. "
-                      "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD for a tracking server[/]")
+                      "stored on the cluster); the cluster's nodes must supply it themselves[/]")
+    env_vars = {"PIPELINE_CODE_VERSION": git_version(), **tracking_user(cfg)}
+    if not is_local_store(cfg.tracking_uri) and os.environ.get(PASSWORD_ENV):
+        console.print(f"[yellow]the tracking server's password stays on this machine (not in the job's command line, "
+                      "config or runtime_env, which the cluster stores and its dashboard shows): the job's driver "
+                      f"reads {PASSWORD_ENV} from the environment of the node it runs on (set it where `ray start "
+                      "--head` runs) and passes it on to the run's workers[/]")
     name = f"{config_path.stem}.yaml"
     job_id = f"pipeline-{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
     with tempfile.TemporaryDirectory(prefix="pipeline-job-") as tmp:
@@ -109,11 +115,18 @@ def submit(cfg, config_path: Path, address: str | None, selection: dict, console
         jobs.submit_job(
             entrypoint=entrypoint,
             submission_id=job_id,
-            runtime_env={"working_dir": str(package), "env_vars": {"PIPELINE_CODE_VERSION": git_version()}},
+            runtime_env={"working_dir": str(package), "env_vars": env_vars},
             metadata={"config": str(config_path), "run_dir": str(cfg.run_dir), "code_version": git_version()},
         )
     console.print(f"submitted [bold]{job_id}[/] to {dashboard_address(address)}: {entrypoint}")
     return job_id
+
+
+def tracking_user(cfg) -> dict[str, str]:
+    """MLFLOW_TRACKING_USERNAME for the job's processes (a user name is no secret; the shipped config
+    also names it when the URI did): the user this machine authenticates as since the config loaded."""
+    user = os.environ.get(USERNAME_ENV)
+    return {USERNAME_ENV: user} if user and not is_local_store(cfg.tracking_uri) else {}
 
 
 def job_exit_code(status: str, driver_exit_code: int | None) -> int:

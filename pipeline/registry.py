@@ -50,7 +50,8 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
               outcomes=(PPO_OUTCOME,)),
-    # serve registers in the tracking server's model registry: another registry is another result
+    # serve registers in the tracking server's model registry: another registry is another result.
+    # `tracking_uri` is PipelineConfig's, without the password: another password is the same registry.
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),
               "MLflow Model Registry + Ray Serve LLM: register the model, serve an OpenAI-compatible API",
               outcomes=("version {registered_version:.0f}", "p50 {smoke_latency_p50_s:.2f}s",

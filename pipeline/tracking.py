@@ -6,13 +6,17 @@ config. Uses `MlflowClient` with explicit run ids rather than the fluent `mlflow
 so nothing depends on a global "active run" (stages may log from callbacks and other threads).
 
 The default store is SQLite under the run directory, with artifacts beside it; any tracking
-server URI works the same way (`mlflow server`, see README).
+server URI works the same way (`mlflow server`, see README). A server's user and password are
+split out of its URI when the config loads and passed as MLflow expects them, in the environment
+(`split_credentials`, `take_credentials`, below): no URI the pipeline prints, logs, ships or hashes
+carries a password.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -24,7 +28,11 @@ BATCH = 100  # MLflow's limit on params per log_batch call
 
 # scheme://user:password@host -> the password is never logged (a tracking server or object store
 # URI can carry one); what the run needs stays in its own config, only what MLflow shows is redacted.
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<secret>[^@/\s]+)@")
+# The password may itself hold an '@' (userinfo ends at the last '@' before the path).
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<secret>[^/\s]+)@")
+
+# Where MLflow's REST client reads a tracking server's basic-auth credentials (mlflow.environment_variables).
+USERNAME_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
 
 
 def redact(value: Any, mask: str | None = "***") -> Any:
@@ -49,6 +57,71 @@ def redacted_keys(value: Any, prefix: str = "") -> list[str]:
     if isinstance(value, (list, tuple)):
         return [k for i, v in enumerate(value) for k in redacted_keys(v, f"{prefix}{i}.")]
     return [prefix.rstrip(".")] if isinstance(value, str) and _USERINFO.search(value) else []
+
+
+# --------------------------------------------------------------------------- tracking server credentials
+#
+# The one place a tracking server's user and password are handled. `mlflow.tracking_uri:
+# https://USER:PASSWORD@host` is split when the config is loaded (`take_credentials`, called by the
+# config's validator): USER and PASSWORD go to MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD in
+# this process's environment, where MLflow's REST client reads them, and the config keeps
+# `https://USER@host`: the URI every MlflowClient, message, cache key, summary and submitted job gets
+# (`PipelineConfig.tracking_uri`). Processes started from here inherit the environment (a local Ray,
+# `mlflow ui`); Ray workers on a cluster get it as the job's runtime_env (`cluster.ensure_ray`).
+
+
+def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
+    """(`uri` without its password, user, password) of a tracking server URI.
+
+    `https://alice:pw@host:5000/p` -> ("https://alice@host:5000/p", "alice", "pw"); `https://alice@host`
+    -> ("https://alice@host", "alice", None). Percent-escapes in the user and password are decoded
+    (an '@' in a password may be written as %40 or as it is; '/', '?' and '#' must be escaped). Only
+    http(s) URIs are split: a database store's URI (postgresql://user:pw@db/mlflow) is SQLAlchemy's
+    to read, returned as it is."""
+    from urllib.parse import quote, unquote
+
+    bare, userinfo = _userinfo(uri)
+    if userinfo is None:
+        return uri, None, None
+    user, has_password, password = userinfo.partition(":")
+    user = unquote(user) or None
+    scheme, _, rest = bare.partition("://")
+    return (f"{scheme}://{quote(user, safe='')}@{rest}" if user else bare, user,
+            unquote(password) if has_password and password else None)
+
+
+def _userinfo(uri: str) -> tuple[str, str | None]:
+    """(`uri` without user and password, the `user:password` it had) for http(s); else (uri, None)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError:  # e.g. an unbalanced '[' in the host: MLflow will say what is wrong with it
+        return uri, None
+    if parts.scheme.lower() not in ("http", "https") or "@" not in parts.netloc:
+        return uri, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=host)), userinfo
+
+
+def take_credentials(uri: str) -> str:
+    """Export the user and password of a tracking server URI to this process's environment (where
+    MLflow reads them) and return the URI without the password (`https://alice@host`).
+
+    The URI's user replaces MLFLOW_TRACKING_USERNAME; a URI with a user and no password takes the
+    password from MLFLOW_TRACKING_PASSWORD (what a submitted job's config carries)."""
+    clean, user, password = split_credentials(uri)
+    if user:
+        os.environ[USERNAME_ENV] = user
+    if password:
+        os.environ[PASSWORD_ENV] = password
+    return clean
+
+
+def credentials_env() -> dict[str, str]:
+    """The tracking credentials of this process's environment, for processes that do not inherit it
+    (Ray workers on other nodes: `cluster.ensure_ray` puts them in the job's runtime_env)."""
+    return {k: os.environ[k] for k in (USERNAME_ENV, PASSWORD_ENV) if os.environ.get(k)}
 
 
 def is_local_store(tracking_uri: str) -> bool:
@@ -91,20 +164,56 @@ def log_metrics(client, run_id: str, metrics: dict[str, float], step: int | None
 
 
 def check_reachable(tracking_uri: str, timeout: float = 5.0) -> None:
-    """Fail fast on an unreachable tracking server (MLflow's client would retry for minutes)."""
-    if not tracking_uri.startswith(("http://", "https://")):
+    """Fail fast on an unreachable tracking server (MLflow's client would retry for minutes).
+
+    Asks `<uri>/health` with basic auth when there are credentials (the URI's user and password, else
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD), as a server behind an authenticating proxy
+    requires; no message names the password."""
+    uri, user, password = split_credentials(tracking_uri)
+    if not uri.startswith(("http://", "https://")):
         return
+    import base64
     import urllib.error
     import urllib.request
 
-    try:
-        urllib.request.urlopen(tracking_uri.rstrip("/") + "/health", timeout=timeout)
-    except (urllib.error.URLError, OSError) as exc:
-        from pipeline.errors import UserError
+    from pipeline.errors import UserError
 
-        raise UserError(f"mlflow.tracking_uri: cannot reach {tracking_uri} ({getattr(exc, 'reason', exc)}); start "
-                        "the server (`mlflow server --host 127.0.0.1 --port 5000`) or leave it empty for the "
+    user, password = user or os.environ.get(USERNAME_ENV), password or os.environ.get(PASSWORD_ENV)
+    # urllib would take `user@host` for the host name: the request goes to the URI without user info.
+    request = urllib.request.Request(_userinfo(uri)[0].rstrip("/") + "/health")
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+
+    def hidden(text: str) -> str:  # what the server or the OS says, never with the password in it
+        return redact(text).replace(password, "***") if password else redact(text)
+
+    try:
+        urllib.request.urlopen(request, timeout=timeout).close()
+    except urllib.error.HTTPError as exc:
+        if exc.code not in (401, 403):
+            raise UserError(f"mlflow.tracking_uri: {uri} answered HTTP {exc.code} to /health "
+                            f"({hidden(str(exc.reason))}); is it an MLflow tracking server?") from None
+        raise credentials_refused(uri, exc.code, user, password) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise UserError(f"mlflow.tracking_uri: cannot reach {uri} ({hidden(str(getattr(exc, 'reason', exc)))}); "
+                        "start the server (`mlflow server --host 127.0.0.1 --port 5000`) or leave it empty for the "
                         "local SQLite store") from None
+
+
+def credentials_refused(uri: str, code: int, user: str | None = None, password: str | None = None):
+    """The UserError for a tracking server that answered 401/403: which credentials were sent (never
+    the password itself) and where they come from."""
+    from pipeline.errors import UserError
+
+    user, password = user or os.environ.get(USERNAME_ENV), password or os.environ.get(PASSWORD_ENV)
+    sent = (f"user {user!r} with a password" if user and password else
+            f"user {user!r} without a password ({PASSWORD_ENV} is not set here)" if user else
+            f"a password without a user ({USERNAME_ENV} is not set here)" if password else "no credentials")
+    return UserError(f"mlflow.tracking_uri: {uri} refused the request (HTTP {code}; sent {sent}); give the "
+                     "credentials in the URI (https://USER:PASSWORD@host, percent-escaping special characters) or "
+                     f"as {USERNAME_ENV} / {PASSWORD_ENV} in the environment (a job run by `submit` takes the "
+                     "password from the cluster's environment, see the README's Ray Jobs section)")
 
 
 # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, "Evaluations");
@@ -132,11 +241,17 @@ def share_runs_view(client, experiment_id: str, metric_columns: list[str]) -> st
 
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, run_dir: Path, run_name: str, tags: dict[str, str]):
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         check_reachable(tracking_uri)
         self.client = MlflowClient(tracking_uri=tracking_uri)
-        exp = self.client.get_experiment_by_name(experiment)
+        try:
+            exp = self.client.get_experiment_by_name(experiment)
+        except MlflowException as exc:  # a server whose /health is open (MLflow's own auth) refuses here
+            if exc.get_http_status_code() in (401, 403):
+                raise credentials_refused(split_credentials(tracking_uri)[0], exc.get_http_status_code()) from None
+            raise
         if exp is None:
             # A local store keeps artifacts beside it; a server decides for itself (mlflow-artifacts:/).
             location = (run_dir / "mlartifacts").as_uri() if is_local_store(tracking_uri) else None
