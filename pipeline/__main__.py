@@ -350,6 +350,7 @@ def _main(args, console, err, state: dict) -> tuple[int, str | None]:
         if state["summary"].get("running"):
             err.print("[bold red]interrupted[/]: the running stage wrote no manifest and will rerun (resuming from "
                       "its last checkpoint, if it has one) next time")
+            _name_the_log(err, state, state["summary"]["running"])
         else:
             err.print(f"[bold red]interrupted[/]: {args.command} stopped")
         return EXIT_INTERRUPTED, "interrupted"
@@ -362,7 +363,18 @@ def _main(args, console, err, state: dict) -> tuple[int, str | None]:
         err.print(f"[bold red]failed:[/] {escape(message)}")
         if stage:
             err.print("  it left no artifact; fix the cause and run again (it resumes from its last checkpoint)")
+            _name_the_log(err, state, stage)
         return EXIT_FAILED, message
+
+
+def _name_the_log(err, state: dict, stage: str) -> None:
+    """The last console line of a failed or interrupted stage: where its library output went."""
+    cfg = state.get("cfg")
+    log = cfg.run_dir / "logs" / f"{stage}.log" if cfg is not None else None
+    if log is not None and log.is_file():
+        from rich.markup import escape
+
+        err.print(f"  its log: {escape(str(log))}", soft_wrap=True)  # a long path stays one line
 
 
 def _check_cluster_store(cfg, console) -> None:

@@ -69,6 +69,9 @@ def test_a_failed_stage_exits_1_and_names_it(tmp_path):
                      env={"PIPELINE_FAULT_IN_STAGE": "data"})  # the data stage crashes
     assert result.returncode == 1, result.stderr[-2000:]
     assert "stage 'data' failed" in result.stderr and "Traceback" in result.stderr
+    # The run's last console line names the failed stage's log, which holds its traceback.
+    assert result.stderr.strip().splitlines()[-1].strip() == f"its log: {run_dir / 'logs' / 'data.log'}"
+    assert "injected fault in stage 'data'" in (run_dir / "logs" / "data.log").read_text()
     summary = _json(result)
     assert summary["status"] == "failed"
     stages = {s["name"]: s for s in summary["stages"]}
