@@ -46,18 +46,44 @@ class SFTConfig(TrainingConfig):
 
 
 def collate(batch: dict, pad_id: int) -> dict:
-    """Data-stage rows -> model inputs; labels are -100 wherever the loss mask is 0."""
+    """Data-stage rows -> tensors; labels are -100 wherever the loss mask is 0. Feed them to the model
+    with `forward`, which treats packed rows as what they are.
+
+    Packed rows (`stages.data.pack`) carry `position_ids` restarting at 0 for each conversation. The
+    first token of a conversation is never a target (its label is -100): in a packed row the token
+    before it is the previous conversation's last, which does not predict it (unpacked, position 0
+    is never a target either). Padding at the end of a row gets position 0, one padding token per
+    "conversation" of its own. `attention_mask` (1 on real tokens) is kept for counting tokens.
+    """
     import torch
 
     from stages.common.training import pad
 
     input_ids, attention = pad(batch["input_ids"], pad_id)
     mask, _ = pad(batch["loss_mask"], 0)
-    out = {"input_ids": input_ids, "attention_mask": attention,
-           "labels": torch.where(mask.bool(), input_ids, torch.full_like(input_ids, -100))}
+    labels = torch.where(mask.bool(), input_ids, torch.full_like(input_ids, -100))
+    out = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
     if "position_ids" in batch:  # packed rows: positions restart per conversation
         out["position_ids"], _ = pad(batch["position_ids"], 0)
+        labels[out["position_ids"] == 0] = -100
     return out
+
+
+def forward(model, batch: dict):
+    """The model's output (loss, logits) on a `collate`d batch: every forward pass of SFT goes through here.
+
+    A packed batch goes in without its 2-D attention mask and without a KV cache: only then does
+    transformers build the block-diagonal causal mask from the restarting `position_ids`
+    (`masking_utils.find_packed_sequence_indices`; with a 2-D mask, or with the cache it creates by
+    default even in training, it builds a plain causal mask over the whole row, and every packed
+    conversation attends to the ones before it). Padding needs no mask: it sits at the end of the row,
+    after every real token, and each padding token is a sequence of its own. Tested: a packed row's
+    logits equal those of its conversations run alone (eager and sdpa attention).
+    """
+    if "position_ids" in batch:
+        return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                     use_cache=False)
+    return model(**batch)
 
 
 # --------------------------------------------------------------------------- worker loop
@@ -74,7 +100,7 @@ def _eval_loss(engine, batches) -> float:
     with torch.no_grad():
         for batch in batches:
             n = float((batch["labels"][:, 1:] != -100).sum())
-            total += float(engine(**batch).loss) * n
+            total += float(forward(engine, batch).loss) * n
             count += n
     engine.train()
     total, count = all_reduce_sum([total, count])
@@ -124,7 +150,7 @@ def train_loop(c: dict) -> None:
             if engine.global_steps >= total:
                 break
             t0 = time.time()
-            loss = engine(**batch).loss
+            loss = forward(engine, batch).loss
             engine.backward(loss)
             before = engine.global_steps
             engine.step()

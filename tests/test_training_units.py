@@ -258,3 +258,194 @@ def test_greedy_accuracy_counts_answers_cut_off_by_the_length_limit(tmp_path, to
     assert cut == [True, True] and all(texts)  # a random model never ends its turn within 4 tokens
     accuracy, truncated = models.greedy_accuracy(tmp_path, [{"prompt_ids": prompt, "answer": "5"}] * 3, 4)
     assert truncated == 1.0 and accuracy == 0.0
+
+
+# --------------------------------------------------------------------------- checkpoint loads: weights_only everywhere
+
+
+class _Planted:
+    """Unpickling this runs code: it creates the marker file."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path, marker) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"optimizer_state_dict": _Planted(str(marker)), "param": torch.zeros(2)}, path)
+
+
+def test_every_deepspeed_checkpoint_load_path_is_weights_only_inside_the_guard(tmp_path, monkeypatch):
+    """Each of DeepSpeed 0.19's own loads of a checkpoint file (the engines `checkpoint.writer` and the
+    default pick, the universal-checkpoint loads of the optimizers) refuses a planted object inside
+    `weights_only_loads` without running it; outside, torch's `load` is torch's own again."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint import universal_checkpoint
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.checkpoint_engine.decoupled_checkpoint_engine import DecoupledCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.fast_checkpoint_engine import FastCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    from stages.common.deepspeed import weights_only_loads
+
+    marker = tmp_path / "planted-code-ran"
+    planted = tmp_path / "ckpt" / "mp_rank_00_model_states.pt"
+    _plant(planted, marker)
+    _plant(tmp_path / "universal" / "zero" / "optimizer_state.pt", marker)  # load_universal: the optimizer's state
+    _plant(tmp_path / "universal" / "param" / "fp32.pt", marker)  # and each parameter's folder
+    loads = {
+        "TorchCheckpointEngine": lambda: TorchCheckpointEngine.load(None, str(planted)),
+        "FastCheckpointEngine": lambda: FastCheckpointEngine.load(None, str(planted)),
+        "DecoupledCheckpointEngine": lambda: DecoupledCheckpointEngine.load(None, str(planted)),
+        "universal optimizer state": lambda: ZeROOptimizer.load_hp_checkpoint_state_from_checkpoint_dir(
+            None, "bit16_groups", str(tmp_path / "universal")),
+        "universal parameter state": lambda: universal_checkpoint.load_hp_checkpoint_state(
+            SimpleNamespace(_hp_mapping=SimpleNamespace()), str(tmp_path / "universal" / "param"), 0, 1),
+        "torch.load(weights_only=False)": lambda: torch.load(planted, weights_only=False),
+    }
+    original = torch.load
+    for name, load in loads.items():
+        with weights_only_loads():
+            with pytest.raises(RuntimeError, match="does not allow"):
+                load()
+        assert not marker.exists(), f"{name}: the planted object ran"
+        assert torch.load is original and torch.serialization.load is original
+    # A checkpoint's own contents load (tensors and the allow-listed DeepSpeed classes), also when nested.
+    fine = tmp_path / "fine.pt"
+    torch.save({"loss_scaler": LossScaler(1.0), "state": {"exp_avg": torch.ones(3)}}, fine)
+    with weights_only_loads(), weights_only_loads():
+        sd = TorchCheckpointEngine.load(None, str(fine))
+    assert isinstance(sd["loss_scaler"], LossScaler) and sd["state"]["exp_avg"].tolist() == [1.0, 1.0, 1.0]
+    assert torch.load is original
+    # Without the guard DeepSpeed's own engine runs whatever the file holds: what the guard is for.
+    TorchCheckpointEngine.load(None, str(planted))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("stages.sft.deepspeed.extra={checkpoint: {load_universal: true}}",
+     "stages.sft.deepspeed.extra.checkpoint.load_universal: not supported"),
+    ("stages.reward.deepspeed.extra={datastates_ckpt: {host_cache_size: 16}}",
+     "stages.reward.deepspeed.extra.datastates_ckpt: not supported"),
+    ("stages.ppo.policy.deepspeed.extra={nebula: {enabled: true}}",
+     "stages.ppo.policy.deepspeed.extra.nebula: not supported"),
+])
+def test_deepspeed_configs_whose_checkpoint_loads_escape_weights_only_are_refused(tmp_path, override, key):
+    with pytest.raises(ConfigError) as exc:
+        smoke_config(tmp_path, override)
+    assert key in str(exc.value) and "remove it" in str(exc.value)
+
+
+def test_deepspeed_checkpoint_engines_the_guard_covers_are_accepted(tmp_path):
+    cfg = smoke_config(tmp_path, "stages.sft.deepspeed.extra={checkpoint: {writer: {type: python, decoupled: true}, "
+                                 "use_node_local_storage: true, load_universal: false}, datastates_ckpt: false}")
+    assert cfg.stages.sft.deepspeed.extra["checkpoint"]["writer"]["decoupled"] is True
+
+
+# A real DeepSpeed engine per checkpoint config, in a process of its own: train, save and resume through
+# the pipeline's own functions (`training.init_engine`, `save_checkpoint`, `load_checkpoint`), then the same
+# checkpoint with a code-running object planted in every file.
+_ENGINES_SCRIPT = r'''
+import json, os, sys
+from pathlib import Path
+
+
+class _Planted:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def main(out: Path, port: str, configs: dict) -> dict:
+    # One rank, as DeepSpeed's launcher describes it (its checkpoint writers read CROSS_SIZE / CROSS_RANK).
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1", LOCAL_SIZE="1", CROSS_RANK="0", CROSS_SIZE="1")
+    import deepspeed
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.common import training
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    results = {}
+    for name, extra in configs.items():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, **extra}
+        engine = training.init_engine(model, config)
+        batch = torch.randint(0, 64, (2, 12))
+        for _ in range(2):
+            engine.backward(engine(input_ids=batch, labels=batch).loss)
+            engine.step()
+        ckpt = out / name
+        training.save_checkpoint(engine, ckpt, 0)
+        engine.checkpoint_engine.commit(None)  # a decoupled engine writes in a process of its own: wait for it
+        trained = engine(input_ids=batch, labels=batch).loss.item()
+        training.load_checkpoint(engine, ckpt)  # a checkpoint it wrote loads back
+        files = sorted(p.name for p in (ckpt / "ds").iterdir())
+        result = {"engine": type(engine.checkpoint_engine).__name__, "files": files,
+                  "resumed": engine(input_ids=batch, labels=batch).loss.item() == trained}
+        marker = ckpt / "planted-code-ran"
+        for f in (ckpt / "ds").iterdir():
+            torch.save({"optimizer_state_dict": _Planted(str(marker)), "module": _Planted(str(marker))}, f)
+        for how, load in (("engine.load_checkpoint", lambda: engine.load_checkpoint(str(ckpt), tag=training.DS_TAG)),
+                          ("training.load_checkpoint", lambda: training.load_checkpoint(engine, ckpt))):
+            try:
+                load()
+                result[how] = ""
+            except RuntimeError as exc:
+                result[how] = str(exc)
+        result["planted_code_ran"] = marker.exists()
+        results[name] = result
+    return results
+
+
+if __name__ == "__main__":  # DeepSpeed's decoupled engine starts its writer process by spawn
+    print("RESULT " + json.dumps(main(Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))))
+'''
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_only_from_safe_checkpoints_whichever_checkpoint_engine_is_configured(tmp_path):
+    """Under DeepSpeed's default checkpoint engine, node-local storage and the fast engine of
+    `checkpoint.writer` (whose `torch.load` the old per-engine swap never saw): a checkpoint the
+    stage wrote resumes, and the same checkpoint with a planted object is refused without running it.
+    torch's own default (`weights_only=True` since 2.6) is turned off in the process, as
+    `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1` does: the safety must not rest on it. Heavy (DeepSpeed):
+    run it under `flock /tmp/heavy.lock`."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    configs = {"default": {}, "node_local": {"checkpoint": {"use_node_local_storage": True}},
+               "fast_writer": {"checkpoint": {"writer": {"type": "python", "data_parallel": "replica"}}}}
+    script = tmp_path / "engines.py"
+    script.write_text(_ENGINES_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), port, json.dumps(configs)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULT ")).removeprefix("RESULT "))
+    assert results["fast_writer"]["engine"] == "FastCheckpointEngine"  # not the one engine the old swap covered
+    for name, r in results.items():
+        assert r["files"] and r["resumed"], (name, r)
+        for how in ("engine.load_checkpoint", "training.load_checkpoint"):
+            assert "does not allow" in r[how], (name, how, r)
+        assert not r["planted_code_ran"], name

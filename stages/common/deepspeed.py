@@ -12,6 +12,8 @@ without a GPU, NCCL and CUDA with one. The code is the same on both.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -29,6 +31,20 @@ class DeepSpeedSection(Section):
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     extra: dict[str, Any] = Field({}, description="Raw DeepSpeed config merged over the generated one (last word).")
 
+    @field_validator("extra")
+    @classmethod
+    def _checkpoint_loads_stay_safe(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        problems = unsafe_checkpoint_keys(extra)
+        if problems:
+            from pydantic import ValidationError
+            from pydantic_core import InitErrorDetails, PydanticCustomError
+
+            # One error per key, each at its own path: stages.sft.deepspeed.extra.checkpoint.load_universal.
+            raise ValidationError.from_exception_data("DeepSpeedSection", [InitErrorDetails(
+                type=PydanticCustomError("value_error", "{why}", {"why": why}), loc=tuple(key.split(".")), input=value)
+                for key, value, why in problems])
+        return extra
+
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "DeepSpeedSection":
         if self.offload_params and self.zero_stage != 3:
@@ -36,6 +52,27 @@ class DeepSpeedSection(Section):
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage >= 1; set zero_stage: 1, 2 or 3")
         return self
+
+
+def unsafe_checkpoint_keys(extra: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(dotted key, value, why) for each setting of a raw DeepSpeed dict whose checkpoint loads would
+    escape `weights_only_loads` (every other checkpoint engine, e.g. `checkpoint.writer`'s fast and
+    decoupled ones, loads through it)."""
+    problems = []
+    checkpoint = extra.get("checkpoint")
+    if isinstance(checkpoint, dict) and checkpoint.get("load_universal"):
+        problems.append(("checkpoint.load_universal", checkpoint["load_universal"], (
+            "not supported: the stages resume only from the ZeRO checkpoints they write themselves, never from a "
+            "universal checkpoint (made offline by DeepSpeed's ds_to_universal, whose files the allow-list of what "
+            "a resume may unpickle was not built for); remove it")))
+    if "datastates_ckpt" in extra and extra["datastates_ckpt"] is not False:  # DeepSpeed: present and not False = on
+        problems.append(("datastates_ckpt", extra["datastates_ckpt"], (
+            "not supported: the DataStates checkpoint engine loads with its own library, outside the allow-listed "
+            "weights_only load every resume goes through (a checkpoint can run code when unpickled); remove it")))
+    if "nebula" in extra:
+        problems.append(("nebula", extra["nebula"], "not supported: DeepSpeed 0.19 removed Nebula checkpointing "
+                         "(it refuses the key when the engine starts); remove it"))
+    return problems
 
 
 class LoraSection(Section):
@@ -172,10 +209,19 @@ def isolate_jit_builds() -> None:
 CHECKPOINT_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum",
                       "deepspeed.utils.tensor_fragment.fragment_address")
 
+_guard = {"depth": 0, "load": None}  # `weights_only_loads`: how many are open, and torch's own `load`
+_guard_lock = threading.Lock()
 
-def load_weights_only(path: str, map_location=None):
-    """`torch.load` of one DeepSpeed checkpoint file with `weights_only=True`: tensors, containers and
-    the few DeepSpeed classes above, never arbitrary code (a pickle can run any on load)."""
+
+def _torch_load():
+    """torch's own `torch.load`, also while `weights_only_loads` has replaced it."""
+    import torch
+
+    return _guard["load"] or torch.load
+
+
+def _allowed_load(f, map_location=None, **kwargs):
+    """torch's `load` of `f` with `weights_only=True`, allowing `CHECKPOINT_GLOBALS` besides tensors and containers."""
     import importlib
     import pickle
 
@@ -184,24 +230,80 @@ def load_weights_only(path: str, map_location=None):
     allowed = [getattr(importlib.import_module(m), a) for m, _, a in (g.rpartition(".") for g in CHECKPOINT_GLOBALS)]
     with torch.serialization.safe_globals(allowed):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return _torch_load()(f, map_location=map_location, weights_only=True, **kwargs)
         except pickle.UnpicklingError as exc:
-            raise RuntimeError(f"{path}: this checkpoint holds a Python object that loading it safely "
+            name = getattr(f, "name", f)
+            raise RuntimeError(f"{name}: this checkpoint holds a Python object that loading it safely "
                                f"(weights_only) does not allow ({str(exc).splitlines()[-3:]}); a checkpoint this "
                                "pipeline wrote never does, so it was written by something else: delete it "
                                "(or rerun the stage with --force) to train from scratch") from None
 
 
+def load_weights_only(path: str, map_location=None):
+    """`torch.load` of one DeepSpeed checkpoint file with `weights_only=True`: tensors, containers and
+    the few DeepSpeed classes above, never arbitrary code (a pickle can run any on load)."""
+    return _allowed_load(path, map_location)
+
+
+def _forced_load(f=None, map_location=None, pickle_module=None, *, weights_only=None, **kwargs):
+    """What `torch.load` is inside `weights_only_loads`: `_allowed_load`, whatever the caller asked for
+    (DeepSpeed passes `weights_only=False`; a `pickle_module` is ignored, the safe unpickler is torch's own)."""
+    return _allowed_load(f, map_location, **kwargs)
+
+
+@contextmanager
+def weights_only_loads():
+    """For its duration, every `torch.load` in this process is `load_weights_only`'s allow-listed
+    `weights_only=True` load, whatever the caller passes.
+
+    Why at torch's level: DeepSpeed 0.19 unpickles checkpoints in many places, all through `torch.load`
+    looked up on the module at call time: its `TorchCheckpointEngine` (`weights_only=False`), the fast and
+    decoupled engines of `checkpoint.writer` (torch's default), and the optimizers' own loads of
+    universal checkpoints (`weights_only=False`). Swapping one engine's `load` left the others to
+    torch's default (no allow-list, and off with `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`) or to
+    `weights_only=False` (docs/architecture.md, fact 16). Loads run on every rank at the same point, never
+    beside other work that loads pickles; nested and re-entered uses restore torch's `load` once the
+    outermost one ends."""
+    import torch
+    import torch.serialization
+
+    with _guard_lock:
+        if _guard["depth"] == 0:
+            _guard["load"] = torch.load
+            torch.load = torch.serialization.load = _forced_load
+        _guard["depth"] += 1
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            _guard["depth"] -= 1
+            if _guard["depth"] == 0:
+                torch.load = torch.serialization.load = _guard["load"]
+                _guard["load"] = None
+
+
 def safe_checkpoint_loads(engine) -> None:
-    """Make `engine.load_checkpoint` read with `load_weights_only`.
+    """Make every `engine.load_checkpoint` run inside `weights_only_loads` (patched on the instance),
+    whichever checkpoint engine the DeepSpeed config picked.
 
     Why not DeepSpeed's own: its `TorchCheckpointEngine.load` calls `torch.load(weights_only=False)`
-    unconditionally, so a tampered checkpoint in run_dir or the bucket would run code in every
-    rank. Its other engines (fast/decoupled/nebula, chosen in the DeepSpeed config) are left alone."""
-    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    unconditionally, and universal-checkpoint loading does the same in the optimizers, so a tampered
+    checkpoint in run_dir or the bucket would run code in every rank. Configs whose loads this does not
+    vouch for (`datastates_ckpt`, `checkpoint.load_universal`, `nebula`) are refused at validation
+    (`unsafe_checkpoint_keys`)."""
+    import functools
 
-    if type(engine.checkpoint_engine) is TorchCheckpointEngine:
-        engine.checkpoint_engine.load = load_weights_only
+    load = engine.load_checkpoint
+    if getattr(load, "weights_only_loads", False):
+        return
+
+    @functools.wraps(load)
+    def load_checkpoint(*args, **kwargs):
+        with weights_only_loads():
+            return load(*args, **kwargs)
+
+    load_checkpoint.weights_only_loads = True
+    engine.load_checkpoint = load_checkpoint
 
 
 def device_env(gpu: bool) -> dict[str, str]:

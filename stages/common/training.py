@@ -368,12 +368,16 @@ def _exclude_tied_frozen_weights(engine) -> None:
 
 
 def load_checkpoint(engine, directory: Path) -> None:
-    """Counterpart of `save_checkpoint`: optimizer and scheduler state, and the weights."""
+    """Counterpart of `save_checkpoint`: optimizer and scheduler state, and the weights. Every file is
+    unpickled by the allow-listed `weights_only` load (`deepspeed.weights_only_loads`), whichever
+    checkpoint engine the DeepSpeed config picked."""
     from stages.common import lora
+    from stages.common.deepspeed import weights_only_loads
 
     peft = lora.is_peft(engine.module)
-    engine.load_checkpoint(str(directory), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
-                           load_module_strict=not peft)  # a LoRA checkpoint holds no base weights
+    with weights_only_loads():
+        engine.load_checkpoint(str(directory), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+                               load_module_strict=not peft)  # a LoRA checkpoint holds no base weights
     if peft:
         lora.load_adapter(engine.module, Path(directory) / lora.ADAPTER_DIR)
 
