@@ -12,11 +12,13 @@ setup:
 run: setup
 	$(PY) -m pipeline run configs/full.yaml
 
+# Every run prints its wall time against the budget, the time per module and the 15 slowest tests
+# (docs/development.md: budgets and the rule a feature's tests follow).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow" --durations=15
 
 bench: setup
 	$(PY) bench/data_bench.py

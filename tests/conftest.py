@@ -5,12 +5,40 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "configs" / "smoke.yaml"
+
+
+# --------------------------------------------------------------------------- what the suite costs
+# Every run prints its wall time against the budget and the time of each module (setup, calls and
+# teardown of its tests, so a shared fixture counts where it is first built); `--durations=15`
+# (the Makefile's test commands) adds the 15 slowest tests. docs/development.md keeps the measured table and
+# the rule a new feature's tests follow.
+BUDGET_S = {"full": 25 * 60, "fast": 4 * 60}  # `make test` and `make test-fast` on the 2-core machine kind
+_started = time.time()
+_module_s: dict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _module_s[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    wall = time.time() - _started
+    kind = "fast" if "not slow" in (config.getoption("markexpr") or "") else "full"
+    terminalreporter.section("time per module")
+    for module, seconds in sorted(_module_s.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    budget = BUDGET_S[kind]
+    verdict = "within" if wall <= budget else "OVER"
+    terminalreporter.write_line(f"suite wall time: {wall:.0f}s ({wall / 60:.1f} min), {verdict} the {kind} suite's "
+                                f"budget of {budget // 60} min (docs/development.md)", bold=True)
 
 
 def smoke_config(run_dir: Path, *overrides: str):

@@ -17,8 +17,10 @@ from stages.common import tasks
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data_runs")  # shared: the model stage builds once, then hits
+def run_dir(smoke_upstream, tmp_path_factory):
+    """Seeded with the session's smoke model and data (the same keys as smoke.yaml here): the generated
+    task's checks read that run, and every other run of this module reuses its model."""
+    return smoke_upstream(tmp_path_factory.mktemp("data_runs"))
 
 
 def run_data(run_dir, tracking_uri, *overrides) -> tuple[dict, dict]:

@@ -1,5 +1,6 @@
-"""The reward stage on Ray Train + DeepSpeed: the session's shared trained run (fast suite), and a
-Bradley-Terry model that learns a clear preference on data of its own (slow)."""
+"""The reward stage on Ray Train + DeepSpeed: the session's shared trained run, and a Bradley-Terry
+model that learns a clear preference on data of its own. Both train for real (slow: the shared run
+costs ~80 s of the fast suite's 4-minute budget, docs/development.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipeline import storage
 from pipeline.runner import run_pipeline
 
 
+@pytest.mark.slow
 def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracking_uri):
     """smoke.yaml's reward stage for real (2 workers, ZeRO-2, the LM loss on): every step trained and
     logged, the LM loss fell, and the export is a one-logit sequence classifier that scores answers."""

@@ -1,7 +1,7 @@
 """The sft stage on Ray Train + DeepSpeed (2 CPU workers, smoke-sized model and data).
 
-`test_sft_learns_and_exports_a_loadable_model` checks the session's shared trained run (fast suite);
-the ZeRO comparison and the resume test train more runs of their own (slow)."""
+`test_sft_learns_and_exports_a_loadable_model` checks the session's shared trained run; the ZeRO
+comparison and the resume test train more runs of their own. All train for real (slow)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def test_zero_stages_give_the_same_loss_trajectory(zero_runs, tracking_uri):
         np.testing.assert_allclose(w3[name], w0[name], atol=1e-5)
 
 
+@pytest.mark.slow  # the session's shared trained run: ~80 s, over the fast suite's budget (docs/development.md)
 def test_sft_learns_and_exports_a_loadable_model(smoke_trained, tracking_uri):
     import torch
     from transformers import AutoModelForCausalLM
