@@ -62,7 +62,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from pipeline.artifacts import FingerprintCache, read_json, sha256_file, write_json_atomic
-from pipeline.bucket import ContentMismatch, ObjectStore, probe, safe_relative
+from pipeline.bucket import ContentMismatch, ObjectStore, probe, safe_relative  # noqa: F401 - ContentMismatch: what callers of pull catch
 from pipeline.errors import StorageError, UserError
 from pipeline.schema import Section
 
