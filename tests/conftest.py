@@ -75,54 +75,101 @@ def tracking_uri(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
-@pytest.fixture(scope="session")
-def smoke_upstream(ray_local, tmp_path_factory, tracking_uri):
-    """smoke.yaml's model and data stages, run once; call it with a new run dir to get them there.
+# The session's trained run is made by the command line (`smoke_cli`, below): once it exists, its model and
+# data are smoke_upstream's too (same config, same keys), so a full suite builds them once.
+_SHARED: dict[str, Path] = {}
 
-    Cache keys do not depend on the run directory, so the copied artifacts are cache hits in it:
-    every training-stage test starts from the same upstream without paying for it again."""
+
+def _copy_artifacts(source: Path, run_dir: Path, stages: tuple[str, ...] | None = None) -> Path:
     import shutil
 
+    for stage_dir in sorted((source / "artifacts").iterdir()):
+        if stages is None or stage_dir.name in stages:
+            shutil.copytree(stage_dir, run_dir / "artifacts" / stage_dir.name, dirs_exist_ok=True)
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def smoke_upstream(ray_local, tmp_path_factory, tracking_uri):
+    """smoke.yaml's model and data stages, made once; call it with a new run dir to get them there.
+
+    Cache keys do not depend on the run directory, so the copied artifacts are cache hits in it:
+    every training-stage test starts from the same upstream without paying for it again. When the
+    shared command-line run already exists (the full suite makes it first), they are its model and
+    data; otherwise (the fast suite, a module alone) the two stages run here, in-process."""
     from rich.console import Console
 
     from pipeline.runner import run_pipeline
 
-    source = tmp_path_factory.mktemp("smoke_upstream")
-    run_pipeline(smoke_config(source, f"mlflow.tracking_uri={tracking_uri}"), SMOKE, Console(quiet=True), to="data")
+    source = _SHARED.get("trained")
+    if source is None:
+        source = tmp_path_factory.mktemp("smoke_upstream")
+        run_pipeline(smoke_config(source, f"mlflow.tracking_uri={tracking_uri}"), SMOKE, Console(quiet=True), to="data")
 
     def seed(run_dir: Path) -> Path:
-        shutil.copytree(source / "artifacts", run_dir / "artifacts", dirs_exist_ok=True)
-        return run_dir
+        return _copy_artifacts(source, run_dir, ("model", "data"))
 
     return seed
 
 
 # The shared trained smoke run: smoke.yaml's SFT (12 steps) and reward model, with SFT checkpoints every
-# 3 steps (for the resume test) and the reward model's LM loss on. Every test that needs trained
+# 3 steps (for resume tests) and the reward model's LM loss on. Every test that needs trained
 # upstream stages uses these overrides, so they are cache hits in its run directory.
 TRAINED = ("stages.sft.checkpoint_every=3", "stages.reward.lm_loss_weight=1.0")
+# The rest of the command-line run: one policy rank and one engine (PPO's distributed paths have their own
+# tests, and fewer processes start faster on 2 cores), a short smoke load on the served model.
+CLI_RUN = (*TRAINED, "stages.ppo.policy.num_ranks=1", "stages.ppo.rollout.num_engines=1", "stages.serve.smoke.requests=4")
 
 
 @pytest.fixture(scope="session")
-def smoke_trained(smoke_upstream, tmp_path_factory, tracking_uri):
-    """smoke.yaml with TRAINED, run once to the reward stage: model, data, sft and reward for real
-    (2 Ray Train workers, DeepSpeed ZeRO-2). Call it with a new run dir to get those artifacts there;
-    `.summary` is the run's summary (manifests, MLflow run ids with the full metric histories)."""
-    import shutil
+def smoke_cli(tmp_path_factory):
+    """The whole smoke pipeline (model -> data -> sft -> reward -> ppo -> serve), made once by the
+    command line in a fresh process, as a user runs it: (run_dir, its CompletedProcess).
 
-    from rich.console import Console
+    Every test that needs a finished pipeline shares it: the CLI end-to-end and MLflow UI checks read
+    its console and run store, and `smoke_trained` (so the sft, reward, ppo, cluster and data tests)
+    seeds its artifacts. Its tracking store is its own: `sqlite:///<run_dir>/mlflow.db`."""
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not the session's
+    result = subprocess.run([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", *CLI_RUN],
+                            cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _SHARED["trained"] = run_dir
+    return run_dir, result
 
-    from pipeline.runner import run_pipeline
 
-    source = smoke_upstream(tmp_path_factory.mktemp("smoke_trained"))
-    summary = run_pipeline(smoke_config(source, f"mlflow.tracking_uri={tracking_uri}", *TRAINED), SMOKE,
-                           Console(quiet=True), to="reward")
+def _summary_of(run_dir: Path, tracking: str) -> dict:
+    """What `run_pipeline` returns for the run that trained `run_dir`'s artifacts: each stage's manifest
+    and the MLflow run id of the stage run that made it (the first pipeline run in the store)."""
+    import json
 
-    def seed(run_dir: Path) -> Path:
-        shutil.copytree(source / "artifacts", run_dir / "artifacts", dirs_exist_ok=True)
-        return run_dir
+    from mlflow.tracking import MlflowClient
 
-    seed.summary, seed.run_dir = summary, source
+    stages = {}
+    for manifest in sorted(run_dir.glob("artifacts/*/*/manifest.json")):
+        stages[manifest.parent.parent.name] = json.loads(manifest.read_text())
+    client = MlflowClient(tracking)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              order_by=["attributes.start_time ASC"])
+    first_parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags).info.run_id
+    run_ids = {r.data.tags["stage"]: r.info.run_id for r in runs
+               if r.data.tags.get("mlflow.parentRunId") == first_parent}
+    return {"stages": stages, "run_ids": run_ids}
+
+
+@pytest.fixture(scope="session")
+def smoke_trained(smoke_cli):
+    """The shared command-line run's model, data, sft and reward (SFT and reward trained for real: 2 Ray
+    Train workers, DeepSpeed ZeRO-2, TRAINED), and its ppo and serve. Call it with a new run dir to get
+    those artifacts there (cache hits for smoke.yaml + TRAINED); `.summary` is the run's summary
+    (manifests, MLflow run ids), `.tracking_uri` the store those run ids are in, `.run_dir` the run."""
+    run_dir, _ = smoke_cli
+    tracking = f"sqlite:///{run_dir / 'mlflow.db'}"
+
+    def seed(dest: Path) -> Path:
+        return _copy_artifacts(run_dir, dest)
+
+    seed.summary, seed.run_dir, seed.tracking_uri = _summary_of(run_dir, tracking), run_dir, tracking
     return seed
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SMOKE, run_cli
+from conftest import CLI_RUN, ROOT, SMOKE, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -26,19 +26,11 @@ def _runs(run_dir):
     return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
 
 
-# One rank per role and one engine: the distributed paths have their own stage tests; this one is
-# about the whole pipeline as a user runs it, and fewer processes start faster on 2 cores.
-LEAN = ["stages.sft.num_workers=1", "stages.reward.num_workers=1", "stages.ppo.policy.num_ranks=1",
-        "stages.ppo.rollout.num_engines=1", "stages.serve.smoke.requests=4"]
-
-
 @pytest.fixture(scope="module")
-def finished_smoke(tmp_path_factory):
-    """A smoke run made by the command line, as a user runs it: (run_dir, its result)."""
-    run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    first = run_cli("run", str(SMOKE), f"run_dir={run_dir}", *LEAN)
-    assert first.returncode == 0, first.stderr[-3000:]
-    return run_dir, first
+def finished_smoke(smoke_cli):
+    """The session's smoke run made by the command line, as a user runs it (conftest.smoke_cli, with
+    CLI_RUN's overrides; the sft, reward and ppo tests train on its artifacts): (run_dir, its result)."""
+    return smoke_cli
 
 
 def test_run_then_cached_rerun_without_ray(finished_smoke):
@@ -65,7 +57,7 @@ def test_run_then_cached_rerun_without_ray(finished_smoke):
 
     # Everything cached: no stage runs and Ray is never contacted (an unreachable RAY_ADDRESS
     # would fail the run if anything tried).
-    second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", *LEAN, "--json", env={"RAY_ADDRESS": "127.0.0.1:1"})
+    second = run_cli("run", str(SMOKE), f"run_dir={run_dir}", *CLI_RUN, "--json", env={"RAY_ADDRESS": "127.0.0.1:1"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert all(f"{s} hit" in second.stderr for s in ("model", "data", "sft", "reward", "ppo", "serve"))
     assert "0 stages run, 6 cached; Ray not started" in second.stderr  # with --json, progress goes to stderr
@@ -125,7 +117,7 @@ def test_run_then_cached_rerun_without_ray(finished_smoke):
     assert float(version.tags["metric.eval_accuracy"]) == pytest.approx(ppo.data.metrics["eval_accuracy"], rel=1e-5)
 
     # A config change reruns data only, and plan says why before anything runs.
-    plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}", *LEAN, "stages.data.max_len=48")
+    plan = run_cli("plan", str(SMOKE), f"run_dir={run_dir}", *CLI_RUN, "stages.data.max_len=48")
     assert "config changed: stages.data.max_len" in plan.stdout
     assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 5  # data and what follows it
 

@@ -1,6 +1,6 @@
 """The reward stage on Ray Train + DeepSpeed: the session's shared trained run, and a Bradley-Terry
-model that learns a clear preference on data of its own. Both train for real (slow: the shared run
-costs ~80 s of the fast suite's 4-minute budget, docs/development.md)."""
+model that learns a clear preference on data of its own. Both train for real (slow: the shared run is
+the session's command-line run, conftest.smoke_cli)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipeline.runner import run_pipeline
 
 
 @pytest.mark.slow
-def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracking_uri):
+def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained):
     """smoke.yaml's reward stage for real (2 workers, ZeRO-2, the LM loss on): every step trained and
     logged, the LM loss fell, and the export is a one-logit sequence classifier that scores answers."""
     import torch
@@ -27,7 +27,7 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracki
 
     summary = smoke_trained.summary
     manifest, run_id = summary["stages"]["reward"], summary["run_ids"]["reward"]
-    client = MlflowClient(tracking_uri)
+    client = MlflowClient(smoke_trained.tracking_uri)
     # smoke's pairs differ only in the final number, too hard for a 1-layer model after 12 SFT steps:
     # the Bradley-Terry part barely moves here (the slow test below shows it learning a clear
     # preference); the LM loss on the chosen answers is what must fall.
@@ -53,7 +53,7 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained, tracki
 
 
 @pytest.mark.slow
-def test_reward_model_learns_a_held_out_preference(ray_local, tmp_path, tracking_uri):
+def test_reward_model_learns_a_held_out_preference(ray_local, smoke_upstream, tmp_path, tracking_uri):
     import torch
     from mlflow.tracking import MlflowClient
     from transformers import AutoModelForSequenceClassification
@@ -66,7 +66,9 @@ def test_reward_model_learns_a_held_out_preference(ray_local, tmp_path, tracking
     pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}",
                                          "rejected": "I do not know."}) + "\n"
                              for a in range(12) for b in range(10)))
-    cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}", f"stages.data.sources.preference=[{pairs}]",
+    # The session's model is a cache hit; data (its own pairs), sft and reward run.
+    cfg = smoke_config(smoke_upstream(tmp_path / "run"), f"mlflow.tracking_uri={tracking_uri}",
+                       f"stages.data.sources.preference=[{pairs}]",
                        "stages.data.eval_fraction=0.25", "stages.sft.max_steps=2", "stages.sft.accuracy_prompts=0",
                        "stages.reward.max_steps=10", "stages.reward.eval_every=5",
                        "stages.reward.lm_loss_weight=1.0")
