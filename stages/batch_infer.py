@@ -214,7 +214,9 @@ def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
         batch_size=cfg.batch_size, concurrency=cfg.concurrency,
         # one engine per actor; without a bundle Ray Data LLM would reserve a GPU for it
         placement_group_config={"bundles": [{"CPU": 1, **({"GPU": 1} if gpu else {})}]},
-        chat_template_stage=cfg.chat, tokenize_stage=True, detokenize_stage=True,
+        # The engine tokenizes the (templated) prompt and detokenizes its output itself: separate tokenize
+        # and detokenize stages would each start a pool of actors importing transformers, for nothing.
+        chat_template_stage=cfg.chat, tokenize_stage=False, detokenize_stage=False,
         should_continue_on_error=True,
     )
     # Rows that failed skip `postprocess` (Ray Data LLM returns their whole processor row instead), so

@@ -529,6 +529,9 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0, adap
         deployment_config={"num_replicas": cfg.replicas, "ray_actor_options": {"num_cpus": 1},
                            "health_check_period_s": HEALTH_CHECK_PERIOD_S},
         log_engine_metrics=False,
+        # The model is a directory on this machine (fetched from the registry): skip Serve LLM's per-node
+        # download step, which has nothing to fetch for a local path.
+        callback_config={"callback_class": "stages.common.serve_callbacks:LocalModel"},
     )
 
 
