@@ -17,6 +17,7 @@ With `http.api_key_env` set, requests without `Authorization: Bearer <key>` get 
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import os
@@ -28,8 +29,6 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
-# Ray 2.60 documents LLMConfig.callback_config but exports no public name for the callbacks' base class.
-from ray.llm._internal.common.callbacks.base import CallbackBase
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
@@ -480,17 +479,34 @@ class RequestGuard:
         return await self.app(scope, replay, send_checked)
 
 
-class LocalModel(CallbackBase):
-    """Serve LLM's start-up callback (`LLMConfig.callback_config`) for a model that is a directory on
-    the replica's machine.
+def __getattr__(name: str):
+    """`stages.serve:LocalModel`, the class Serve LLM loads by that path in each LLM replica; built on
+    first use, because its base class imports Ray, which a stage module does not do at import."""
+    if name == "LocalModel":
+        return _local_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    Before its engine starts, each LLM replica runs a task per node to download the model from cloud
-    storage; for a local path with no mirror configured that task returns the path unchanged, after
-    starting a process that imports vLLM (~10 s of every deployment on 2 cores). This skips that step
-    (`run_init_node`) and nothing else: every other hook is the base class's no-op."""
 
-    async def on_before_node_init(self) -> None:
-        self.ctx.run_init_node = False
+@functools.cache
+def _local_model() -> type:
+    # Ray 2.60 documents LLMConfig.callback_config but exports no public name for its base class.
+    from ray.llm._internal.common.callbacks.base import CallbackBase
+
+    class LocalModel(CallbackBase):
+        """Serve LLM's start-up callback (`LLMConfig.callback_config`) for a model that is a directory
+        on the replica's machine.
+
+        Before its engine starts, each LLM replica runs a task per node to download the model from
+        cloud storage; for a local path with no mirror configured that task returns the path unchanged,
+        after starting a process that imports vLLM (~10 s of every deployment on 2 cores). This skips
+        that step (`run_init_node`) and nothing else: every other hook is the base class's no-op."""
+
+        async def on_before_node_init(self) -> None:
+            callback_ctx = self.ctx  # Serve LLM's CallbackCtx (not a StageContext)
+            callback_ctx.run_init_node = False
+
+    LocalModel.__module__, LocalModel.__qualname__ = __name__, "LocalModel"
+    return LocalModel
 
 
 class LocalAdapters:
@@ -562,8 +578,6 @@ def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict
     sends it there with Serve's multiplexed model id, and the replica loads the adapter from its
     directory (`LocalAdapters`) on first use. Listing it among the model cards puts it in
     /v1/models (Serve LLM lists adapters only from cloud storage)."""
-    import functools
-
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import init
