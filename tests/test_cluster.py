@@ -40,6 +40,9 @@ def tracking(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
+    # Not seeded with the session's model and data (conftest.smoke_upstream): tried for issue 33, the
+    # submitted job then ran SFT alone and failed as SFT ended, its driver's working directory (the
+    # job's runtime_env working_dir) gone: os.getcwd() raised FileNotFoundError. Seen once, not yet explained.
     return tmp_path_factory.mktemp("cluster") / "run"
 
 
@@ -83,7 +86,7 @@ def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(
     assert job_id.startswith("pipeline-smoke-")
 
     # Once SFT has written its first checkpoint, kill one of its workers (a process of our cluster).
-    wait_for(lambda: _registered(run_dir), 600, "the first registered SFT checkpoint")
+    wait_for(lambda: _registered(run_dir), 600, "the first registered SFT checkpoint", poll_s=0.25)
     workers = wait_for(lambda: cluster.actors("RayTrainWorker", "ALIVE"), 60, "live SFT workers")
     os.kill(workers[0]["pid"], signal.SIGKILL)
 
@@ -126,7 +129,8 @@ def test_a_killed_driver_resumes_from_the_object_store_with_finished_stages_cach
         proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            wait_for(lambda: _registered_in(store) or proc.poll() is not None, 600, "a registered SFT checkpoint")
+            wait_for(lambda: _registered_in(store) or proc.poll() is not None, 600, "a registered SFT checkpoint",
+                     poll_s=0.5)
             assert proc.poll() is None, "the run ended before it could be killed"
             os.kill(proc.pid, signal.SIGKILL)  # the driver dies without any chance to clean up
             proc.wait(timeout=30)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 # A reward the smoke policy can learn in a few iterations (share of digit characters), no KL brake,
 # and a large learning rate: what is under test is that the loop improves the policy at all.
-# (The resume test keeps smoke.yaml's reward-model weight, so the reward role runs there.)
+# (The reward role scores in the shared command-line run, conftest.smoke_cli, which keeps smoke.yaml's weight.)
 LEARN = ["stages.ppo.rewards.rule=helpers.toy_rewards:digits", "stages.ppo.kl.coef=0.0",
          "stages.ppo.policy.lr=0.001", "stages.ppo.critic.lr=0.001", "stages.ppo.iterations=20",
          "stages.ppo.ppo_epochs=2", "stages.ppo.checkpoint_every=10"]
@@ -92,23 +92,65 @@ def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, 
     assert len(rows) == 4 and {"prompt", "answer", "response", "reward"} <= rows[0].keys()
 
 
-def test_async_grpo_raises_the_reward_on_rollouts_at_most_one_update_old(ray_local, run_dir, tracking_uri):
-    """GRPO with `rollout.async`: iteration i+1's rollouts are generated while iteration i trains."""
-    _, run_id, _ = run_ppo(run_dir, tracking_uri, *LEARN, "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true",
-                           "stages.ppo.rewards.model_weight=0", "stages.ppo.iterations=16", "stages.ppo.eval_prompts=0")
-    reward = history(tracking_uri, run_id, "reward_mean")
+def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_the_object_store(
+        ray_local, run_dir, tracking_uri, monkeypatch):
+    """GRPO with `rollout.async`: iteration i+1's rollouts are generated while iteration i trains. With
+    `storage.uri` the ranks' DeepSpeed shards and the driver state go to the bucket; the run is interrupted
+    after the checkpoint of iteration 8, and a rerun on a machine without the local checkpoints (wiped
+    here) pulls them and continues after iteration 8. Learning is judged over the whole run (both halves)."""
+    import shutil
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from helpers.s3 import S3Server
+
+    with S3Server() as s3:
+        grpo = [*LEARN, "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true", "stages.ppo.rewards.model_weight=0",
+                "stages.ppo.iterations=16", "stages.ppo.checkpoint_every=8", "stages.ppo.eval_prompts=0",
+                f"storage.uri=s3://{s3.bucket}/ppo", f"storage.endpoint_url={s3.endpoint}"]
+        started = int(time.time() * 1000)
+        monkeypatch.setenv("PIPELINE_FAULT_AFTER_ITERATION", "8")
+        with pytest.raises(Exception, match="injected fault after iteration 8"):
+            run_ppo(run_dir, tracking_uri, *grpo)
+        finished = set((run_dir / "artifacts" / "ppo").glob("*/manifest.json"))
+        monkeypatch.delenv("PIPELINE_FAULT_AFTER_ITERATION")
+        store = s3.store("ppo")
+        [key] = {name.split("/")[0] for name in store.files("checkpoints/ppo")}
+        remote = store.files(f"checkpoints/ppo/{key}")
+        assert "latest.json" in remote and any(n.startswith("iter_00007/policy/") for n in remote), sorted(remote)
+        shutil.rmtree(run_dir / "checkpoints" / "ppo" / key)  # resume on a machine that has only the bucket
+
+        manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *grpo)
+    assert manifest["key"] == key
+    assert run_dir / "artifacts" / "ppo" / manifest["key"] / "manifest.json" not in finished  # no manifest before
+    assert (policy / "config.json").is_file()
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    [interrupted] = client.search_runs([experiment], f"tags.stage = 'ppo' and attributes.status = 'FAILED' and "
+                                       f"attributes.start_time > {started}")
+    runs = (interrupted.info.run_id, run_id)
+
+    def whole(metric):  # the metric over the whole run: iterations 1-8 from the interrupted run, 9-16 resumed
+        return {step: v for r in runs for step, v in history(tracking_uri, r, metric).items()}
+
+    assert sorted(history(tracking_uri, runs[0], "reward_mean")) == list(range(1, 9))
+    assert sorted(history(tracking_uri, run_id, "reward_mean")) == list(range(9, 17))  # continued after iteration 8
+    reward = whole("reward_mean")
     first, last = sum(reward[i] for i in (1, 2, 3, 4)) / 4, sum(reward[i] for i in (13, 14, 15, 16)) / 4
     assert last > first + 0.1, reward
-    assert not history(tracking_uri, run_id, "value_loss")  # no critic
+    assert not whole("value_loss")  # no critic
     # The engines tag their samples with the weights' version: the first batch comes from the SFT weights,
     # every later one from the weights one update before the policy that trains on it (the bound is 1).
-    staleness = history(tracking_uri, run_id, "staleness")
+    # A resumed run starts the same way: the engines get the checkpoint's weights before its first batch,
+    # so iteration 9 is on-policy too (staleness 0), and at most 14 of the 16 iterations can be 1 update old.
+    staleness = whole("staleness")
     # (Which of the next rollouts and the sync reaches an engine first is Ray's ordering, not ours; the rollouts
     # are sent long before the update ends, so nearly every iteration overlaps.)
-    assert staleness[1] == 0 and set(staleness.values()) <= {0, 1}, staleness
-    assert sum(staleness.values()) >= 12, staleness
+    assert staleness[1] == 0 and staleness[9] == 0 and set(staleness.values()) <= {0, 1}, staleness
+    assert sum(staleness.values()) >= 11, staleness
     # so the engines' log-probs are no longer the trainer's: the importance weights have something to correct
-    assert max(history(tracking_uri, run_id, "logprob_mismatch_mean").values()) > 1e-3
+    assert max(whole("logprob_mismatch_mean").values()) > 1e-3
 
 
 def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
@@ -125,33 +167,3 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
         assert {f"eval_{key}_before", f"eval_{key}", f"eval_{key}_sign_test_p"} <= m.keys(), key
     assert 0 < m["eval_prompts"] <= 16  # smoke.yaml's eval_prompts, capped by the eval split
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]
-
-
-def test_interrupted_ppo_resumes_from_its_checkpoint_in_the_object_store(ray_local, run_dir, tracking_uri,
-                                                                          monkeypatch):
-    """With `storage.uri`, the ranks' DeepSpeed shards and the driver state go to the bucket; a rerun on a
-    machine without the local checkpoints (wiped here) pulls them and continues after iteration 2."""
-    import shutil
-
-    from helpers.s3 import S3Server
-
-    with S3Server() as s3:
-        short = [*LEARN, "stages.ppo.iterations=4", "stages.ppo.checkpoint_every=2", "stages.ppo.eval_prompts=0",
-                 "stages.ppo.algorithm=grpo", f"storage.uri=s3://{s3.bucket}/ppo", f"storage.endpoint_url={s3.endpoint}",
-                 "stages.ppo.rollout.engine_logprobs=true"]  # the old policy's log-probs from the engines
-        monkeypatch.setenv("PIPELINE_FAULT_AFTER_ITERATION", "2")
-        with pytest.raises(Exception, match="injected fault after iteration 2"):
-            run_ppo(run_dir, tracking_uri, *short)
-        finished = set((run_dir / "artifacts" / "ppo").glob("*/manifest.json"))
-        monkeypatch.delenv("PIPELINE_FAULT_AFTER_ITERATION")
-        store = s3.store("ppo")
-        [key] = {name.split("/")[0] for name in store.files("checkpoints/ppo")}
-        remote = store.files(f"checkpoints/ppo/{key}")
-        assert "latest.json" in remote and any(n.startswith("iter_00001/policy/") for n in remote), sorted(remote)
-        shutil.rmtree(run_dir / "checkpoints" / "ppo" / key)  # resume on a machine that has only the bucket
-
-        manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *short)
-    assert manifest["key"] == key
-    assert run_dir / "artifacts" / "ppo" / manifest["key"] / "manifest.json" not in finished  # no manifest before
-    assert sorted(history(tracking_uri, run_id, "reward_mean")) == [3, 4]  # continued after iteration 2
-    assert (policy / "config.json").is_file()

@@ -1,7 +1,7 @@
 """The sft stage on Ray Train + DeepSpeed (2 CPU workers, smoke-sized model and data).
 
 `test_sft_learns_and_exports_a_loadable_model` checks the session's shared trained run; the ZeRO
-comparison and the resume test train more runs of their own. All train for real (slow)."""
+comparison trains two runs of its own, the ZeRO-3 one interrupted and resumed. All train for real (slow)."""
 
 from __future__ import annotations
 
@@ -47,35 +47,66 @@ def _trained_sft(smoke_trained):
 
 @pytest.fixture(scope="module")
 def zero_runs(smoke_trained, tmp_path_factory, tracking_uri):
-    """The same run under ZeRO 0, 2 and 3: {stage: (manifest, run id, model dir)}; ZeRO-2 is the shared run."""
+    """The same run under ZeRO 0, 2 and 3: ({stage: (manifest, run id, model dir)}, the interrupted ZeRO-3
+    run's MLflow run id, the sft manifests there were when it failed, the run dir); ZeRO-2 is the shared
+    run. The ZeRO-3 run is interrupted after its checkpoint of step 3 and resumed: it must still match ZeRO-0."""
+    import os
+    import time
+
+    from mlflow.tracking import MlflowClient
+
     run_dir = smoke_trained(tmp_path_factory.mktemp("sft"))
-    return {0: run_sft(run_dir, tracking_uri, "stages.sft.deepspeed.zero_stage=0"), 2: _trained_sft(smoke_trained),
-            3: run_sft(run_dir, tracking_uri, "stages.sft.deepspeed.zero_stage=3")}
+    runs = {0: run_sft(run_dir, tracking_uri, "stages.sft.deepspeed.zero_stage=0"), 2: _trained_sft(smoke_trained)}
+    zero3 = ("stages.sft.deepspeed.zero_stage=3", "stages.sft.max_failures=0")
+    started = int(time.time() * 1000)
+    os.environ["PIPELINE_FAULT_AFTER_STEP"] = "3"
+    try:
+        with pytest.raises(Exception, match="injected fault after step 3"):
+            run_sft(run_dir, tracking_uri, *zero3)
+    finally:
+        del os.environ["PIPELINE_FAULT_AFTER_STEP"]
+    finished = set((run_dir / "artifacts" / "sft").glob("*/manifest.json"))
+    runs[3] = run_sft(run_dir, tracking_uri, *zero3)
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_run(runs[3][1]).info.experiment_id
+    [interrupted] = client.search_runs([experiment], f"tags.stage = 'sft' and attributes.status = 'FAILED' and "
+                                       f"attributes.start_time > {started}")
+    return runs, interrupted.info.run_id, finished, run_dir
 
 
 @pytest.mark.slow
-def test_zero_stages_give_the_same_loss_trajectory(zero_runs, tracking_uri):
-    losses = {z: history(tracking_uri, run_id, "train_loss") for z, (_, run_id, _) in zero_runs.items()}
+def test_zero_stages_give_the_same_loss_trajectory_and_an_interrupted_run_resumes(zero_runs, smoke_trained,
+                                                                                  tracking_uri):
+    runs, interrupted, finished, run_dir = zero_runs
+    stores = {0: tracking_uri, 2: smoke_trained.tracking_uri, 3: tracking_uri}
+    losses = {z: history(stores[z], run_id, "train_loss") for z, (_, run_id, _) in runs.items()}
     assert sorted(losses[0]) == list(range(1, 13))
+    # ZeRO-3 was interrupted after step 3 and left no manifest; the rerun continued after step 3 (did not restart)
+    assert run_dir / "artifacts" / "sft" / runs[3][0]["key"] / "manifest.json" not in finished
+    first = history(tracking_uri, interrupted, "train_loss")
+    assert sorted(first) == [1, 2, 3], first
+    assert min(losses[3]) == 4
+    losses[3] = {**first, **losses[3]}  # its whole trajectory: steps 1-3 before the fault, 4-12 resumed
     for z in (2, 3):
         assert losses[z].keys() == losses[0].keys()
         np.testing.assert_allclose([losses[z][s] for s in losses[0]], list(losses[0].values()), rtol=2e-4)
-    # ZeRO-3 shards the parameters; the saved model is the gathered full one, equal to ZeRO-0's.
-    w0, w3 = weights(zero_runs[0][2]), weights(zero_runs[3][2])
+    # ZeRO-3 shards the parameters; the saved model is the gathered full one, equal to ZeRO-0's (and so the
+    # resumed run ends on the weights of an uninterrupted one).
+    w0, w3 = weights(runs[0][2]), weights(runs[3][2])
     assert w0.keys() == w3.keys()
     for name in w0:
         np.testing.assert_allclose(w3[name], w0[name], atol=1e-5)
 
 
 @pytest.mark.slow  # the session's shared trained run: ~80 s, over the fast suite's budget (docs/development.md)
-def test_sft_learns_and_exports_a_loadable_model(smoke_trained, tracking_uri):
+def test_sft_learns_and_exports_a_loadable_model(smoke_trained):
     import torch
     from transformers import AutoModelForCausalLM
 
     from stages.common.models import load_tokenizer
 
     manifest, run_id, model_dir = _trained_sft(smoke_trained)
-    evals = history(tracking_uri, run_id, "eval_loss")
+    evals = history(smoke_trained.tracking_uri, run_id, "eval_loss")
     assert evals[12] < evals[0] - 0.5  # eval loss fell well below its start
     assert {"base_accuracy", "accuracy", "tokens_per_s"} <= manifest["metrics"].keys()
 
@@ -89,32 +120,22 @@ def test_sft_learns_and_exports_a_loadable_model(smoke_trained, tracking_uri):
 
     from mlflow.tracking import MlflowClient
 
-    files = {a.path for a in MlflowClient(tracking_uri).list_artifacts(run_id)}
+    files = {a.path for a in MlflowClient(smoke_trained.tracking_uri).list_artifacts(run_id)}
     assert "deepspeed_config.json" in files
     assert torch.isfinite(torch.tensor(evals[12]))
 
 
 @pytest.mark.slow
-def test_interrupted_sft_resumes_from_its_checkpoint(smoke_trained, smoke_upstream, tmp_path, tracking_uri, monkeypatch):
-    run_dir = smoke_upstream(tmp_path / "resume")
-    monkeypatch.setenv("PIPELINE_FAULT_AFTER_STEP", "3")
-    with pytest.raises(Exception, match="injected fault after step 3"):
-        run_sft(run_dir, tracking_uri, "stages.sft.max_failures=0")
-    assert not list((run_dir / "artifacts" / "sft").glob("*/manifest.json"))
-    monkeypatch.delenv("PIPELINE_FAULT_AFTER_STEP")
-
-    _, run_id, model_dir = run_sft(run_dir, tracking_uri, "stages.sft.max_failures=0")
-    assert min(history(tracking_uri, run_id, "train_loss")) == 4  # continued after step 3, did not restart
-    reference = weights(_trained_sft(smoke_trained)[2])  # the same config (ZeRO-2), never interrupted
-    resumed = weights(model_dir)
-    for name in reference:
-        np.testing.assert_allclose(resumed[name], reference[name], atol=1e-5)
-
-
-@pytest.mark.slow
-def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trained):
+def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trained, tmp_path):
     """`accuracy_engine: vllm`: the engines' greedy answers (and which ones were cut off) are HF's,
-    for the base and the tuned model alike, so the switch changes the speed, not the figure."""
+    for the base and the tuned model alike, so the switch changes the speed, not the figure. The smoke
+    models answer every prompt with one repeated token, so a third model, the base with larger random
+    weights, gives answers that differ from prompt to prompt and token to token: a real comparison."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
     from stages.common.models import greedy_generate
     from stages.common.parquet import read_rows
     from stages.sft import engine_greedy
@@ -123,9 +144,18 @@ def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trai
         manifest = smoke_trained.summary["stages"][stage]
         return storage.output_paths(manifest, storage.artifact_dir(smoke_trained.run_dir, stage, manifest["key"]))[name]
 
-    models = [output("model", "base_model"), output("sft", "sft_model")]
+    noisy = shutil.copytree(output("model", "base_model"), tmp_path / "noisy")
+    model = AutoModelForCausalLM.from_pretrained(noisy)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.4)
+    model.save_pretrained(noisy)
+    models = [output("model", "base_model"), output("sft", "sft_model"), noisy]
     prompts = [r["prompt_ids"] for r in read_rows(output("data", "prompt_data") / "eval", 16)]
     engine = engine_greedy(models, prompts, 12, seed=0)
     hf = [greedy_generate(m, prompts, 12) for m in models]
     assert engine == hf
     assert engine[0][0] != engine[1][0]  # two models, two sets of answers: each engine held its own
+    assert len(set(engine[2][0])) > 3 and len(set("".join(engine[2][0]))) > 3, engine[2][0]  # not a degenerate repeat

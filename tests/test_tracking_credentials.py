@@ -276,7 +276,9 @@ def _files_containing(root: Path, needle: bytes) -> list[str]:
 def test_a_run_against_an_authenticated_server_shows_the_password_nowhere(tmp_path):
     """A tracking server behind basic auth (an authenticating proxy in front of a real `mlflow server`):
     the run authenticates, nothing it printed or wrote (run_dir, the server's store) holds the
-    password, and a rerun with only the password changed is all cache hits."""
+    password, and a rerun with only the password changed is all cache hits. The run's stage is tracked
+    on the server, in the configured experiment, and nothing goes to the local default store (what
+    tests/test_mlflow_server.py checked with a server of its own)."""
     from helpers.cluster import free_port
     from helpers.mlflow_server import mlflow_server
 
@@ -293,23 +295,25 @@ def test_a_run_against_an_authenticated_server_shows_the_password_nowhere(tmp_pa
             auth_server((PLANTED, "another-PLANTED"), upstream.removeprefix("http://")) as (url, seen):
         host = url.removeprefix("http://")
         uri = f"mlflow.tracking_uri=http://{USER}:{PLANTED}@{host}"
-        results = [cli("validate", str(SMOKE), f"run_dir={run_dir}", uri),
-                   cli("plan", str(SMOKE), f"run_dir={run_dir}", uri, "--to", "model"),
-                   cli("ui", str(SMOKE), f"run_dir={run_dir}", uri),  # a server: prints its address
-                   cli("run", str(SMOKE), f"run_dir={run_dir}", uri, "--to", "model", "--json")]
+        exp_name = "mlflow.experiment=server-test"
+        results = [cli("validate", str(SMOKE), f"run_dir={run_dir}", uri, exp_name),
+                   cli("plan", str(SMOKE), f"run_dir={run_dir}", uri, exp_name, "--to", "model"),
+                   cli("ui", str(SMOKE), f"run_dir={run_dir}", uri, exp_name),  # a server: prints its address
+                   cli("run", str(SMOKE), f"run_dir={run_dir}", uri, exp_name, "--to", "model", "--json")]
         assert f"open http://{USER}@{host} in a browser" in results[2].stdout
         assert results[-1].returncode == 0, results[-1].stderr[-3000:]
+        assert not (run_dir / "mlflow.db").exists()  # nothing went to the local default store
         summary = json.loads(results[-1].stdout)
         assert summary["tracking_uri"] == f"http://{USER}@{host}"
         assert {s["name"]: s["status"] for s in summary["stages"]}["model"] == "miss"
         # The rerun with only the password changed: nothing reruns (the server takes both passwords).
-        again = cli("run", str(SMOKE), f"run_dir={run_dir}", "--to", "model", "--json",
+        again = cli("run", str(SMOKE), f"run_dir={run_dir}", "--to", "model", "--json", exp_name,
                     f"mlflow.tracking_uri=http://{USER}:another-PLANTED@{host}")
         assert again.returncode == 0, again.stderr[-3000:]
         assert {s["name"]: s["status"] for s in json.loads(again.stdout)["stages"]}["model"] == "hit"
         authorised = list(seen)
         # A wrong password: exit 2, said without it.
-        wrong = cli("run", str(SMOKE), f"run_dir={tmp_path / 'other'}", "--to", "model", "--json",
+        wrong = cli("run", str(SMOKE), f"run_dir={tmp_path / 'other'}", "--to", "model", "--json", exp_name,
                     f"mlflow.tracking_uri=http://{USER}:wrong-PLANTED@{host}")
         assert wrong.returncode == 2 and "refused" in wrong.stderr
         assert "wrong-PLANTED" not in wrong.stdout + wrong.stderr
@@ -318,10 +322,20 @@ def test_a_run_against_an_authenticated_server_shows_the_password_nowhere(tmp_pa
 
         os.environ.update({"MLFLOW_TRACKING_USERNAME": USER, "MLFLOW_TRACKING_PASSWORD": PLANTED})
         client = MlflowClient(url)
-        exp = client.get_experiment_by_name("posttrain")
-        runs = client.search_runs([exp.experiment_id])
+        exp = client.get_experiment_by_name("server-test")
+        runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
         assert {r.info.run_name for r in runs} >= {"model"}
         logged = json.dumps([[r.data.params, r.data.tags] for r in runs])
+        # The first run's stage run (the rerun's was a cache hit): finished, keyed, with its config,
+        # metrics and manifest on the server.
+        parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+        stage = next(r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id)
+        assert stage.info.run_name == "model" and stage.info.status == "FINISHED"
+        assert stage.data.tags["cache"] == "miss" and len(stage.data.tags["cache_key"]) == 16
+        assert stage.data.params["model.builtin.hidden_size"] == "64"
+        assert stage.data.metrics["num_parameters"] > 1000
+        manifest = client.download_artifacts(stage.info.run_id, "manifest.json", str(tmp_path))
+        assert '"stage": "model"' in open(manifest).read()
 
     assert authorised and all(ok for _, _, ok in authorised), [s for s in authorised if not s[2]][:5]
     assert any(path.startswith("/api/2.0/mlflow/runs/create") for _, path, _ in authorised)

@@ -28,8 +28,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants (from /proc), parents first."""
+def process_trees(roots: list[int]) -> list[int]:
+    """Each root and all its descendants (from one read of /proc), parents first."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -38,7 +38,7 @@ def process_tree(root: int) -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
+    out, todo = [], list(roots)
     while todo:
         pid = todo.pop(0)
         out.append(pid)
@@ -46,17 +46,39 @@ def process_tree(root: int) -> list[int]:
     return out
 
 
-def end_tree(root: int, grace_s: float = 10) -> None:
-    pids = process_tree(root)
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants (from /proc), parents first."""
+    return process_trees([root])
+
+
+def end_trees(roots: list[int], grace_s: float = 10) -> None:
+    """SIGTERM to every process of every tree at once, one shared grace period, then SIGKILL to what is left."""
+    pids = process_trees(roots)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + grace_s
-        while sig == signal.SIGTERM and time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
-            time.sleep(0.5)
+        if sig == signal.SIGTERM:
+            deadline = time.time() + grace_s
+            while time.time() < deadline:
+                pids = [p for p in pids if _alive(p)]
+                if not pids:
+                    return
+                time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Still running: a zombie (ended, not yet reaped by its parent) counts as gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def end_tree(root: int, grace_s: float = 10) -> None:
+    end_trees([root], grace_s)
 
 
 class TwoNodeCluster:
@@ -115,21 +137,27 @@ class TwoNodeCluster:
         return self
 
     def _wait(self, n: int, timeout_s: float = 180) -> None:
+        """Until the state API lists n alive nodes. It is asked (a Python process each time) once the
+        newest node's `ray start` says it started, and every 10 s regardless, not every 2 s from the start."""
+        log = self.tmp / ("head.log" if n == 1 else "worker.log")
         deadline = time.time() + timeout_s
+        ask_at = time.time() + 10
         while time.time() < deadline:
             if any(p.poll() is not None for p in self.procs):
                 break
-            if len(self.nodes()) >= n:
-                return
-            time.sleep(2)
+            if time.time() >= ask_at or (log.exists() and "Ray runtime started" in log.read_text(errors="replace")):
+                if len(self.nodes()) >= n:
+                    return
+                ask_at = time.time() + 10
+            time.sleep(0.25)
         logs = "\n".join((self.tmp / f).read_text()[-2000:] for f in ("head.log", "worker.log") if (self.tmp / f).exists())
         raise RuntimeError(f"the {n}-node cluster did not come up:\n{logs}")
 
     def __exit__(self, *exc) -> None:
         import shutil
 
-        for proc in reversed(self.procs):  # the worker node first, then the head
-            end_tree(proc.pid)
+        end_trees([proc.pid for proc in self.procs])  # both nodes at once, one grace period
+        for proc in self.procs:
             proc.wait(timeout=30)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
