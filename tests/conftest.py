@@ -117,8 +117,11 @@ def smoke_upstream(ray_local, tmp_path_factory, tracking_uri):
 # upstream stages uses these overrides, so they are cache hits in its run directory.
 TRAINED = ("stages.sft.checkpoint_every=3", "stages.reward.lm_loss_weight=1.0")
 # The rest of the command-line run: one policy rank and one engine (PPO's distributed paths have their own
-# tests, and fewer processes start faster on 2 cores), a short smoke load on the served model.
-CLI_RUN = (*TRAINED, "stages.ppo.policy.num_ranks=1", "stages.ppo.rollout.num_engines=1", "stages.serve.smoke.requests=4")
+# tests, and fewer processes start faster on 2 cores), the old policy's log-probs from the engines as
+# configs/full.yaml takes them (the PPO tests measure the engine/trainer mismatch, so they take them from
+# the ranks), and a short smoke load on the served model.
+CLI_RUN = (*TRAINED, "stages.ppo.policy.num_ranks=1", "stages.ppo.rollout.num_engines=1",
+           "stages.ppo.rollout.engine_logprobs=true", "stages.serve.smoke.requests=4")
 
 
 @pytest.fixture(scope="session")

@@ -12,22 +12,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """The built-in model with large random weights, so greedy outputs are not one repeated token."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from helpers.weights import redraw
     from stages.common import models, tasks
 
     cfg = models.BuiltinModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
                                     num_heads=2, num_kv_heads=1, max_position_embeddings=128)
-    path = models.build_base_model(tmp_path_factory.mktemp("model"), cfg, tasks.corpus(tasks.TaskConfig(), 0), 0)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.4)
-    model.save_pretrained(path)
-    return path
+    return redraw(models.build_base_model(tmp_path_factory.mktemp("model"), cfg, tasks.corpus(tasks.TaskConfig(), 0), 0))
 
 
 def _prompts(model_dir) -> list[list[int]]:

@@ -133,9 +133,7 @@ def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trai
     weights, gives answers that differ from prompt to prompt and token to token: a real comparison."""
     import shutil
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    from helpers.weights import redraw
     from stages.common.models import greedy_generate
     from stages.common.parquet import read_rows
     from stages.sft import engine_greedy
@@ -144,14 +142,7 @@ def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trai
         manifest = smoke_trained.summary["stages"][stage]
         return storage.output_paths(manifest, storage.artifact_dir(smoke_trained.run_dir, stage, manifest["key"]))[name]
 
-    noisy = shutil.copytree(output("model", "base_model"), tmp_path / "noisy")
-    model = AutoModelForCausalLM.from_pretrained(noisy)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.4)
-    model.save_pretrained(noisy)
+    noisy = redraw(shutil.copytree(output("model", "base_model"), tmp_path / "noisy"))
     models = [output("model", "base_model"), output("sft", "sft_model"), noisy]
     prompts = [r["prompt_ids"] for r in read_rows(output("data", "prompt_data") / "eval", 16)]
     engine = engine_greedy(models, prompts, 12, seed=0)
