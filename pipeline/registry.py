@@ -44,12 +44,12 @@ STAGES: tuple[StageSpec, ...] = (
               "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens",
               outcomes=("eval loss {eval_loss:.3f}",
                         "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts")),
-    StageSpec("reward", "stages.reward", "stages.reward", ("seed",), ("base_model", "sft_model", "preference_data"),
+    StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"), ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
-              outcomes=("pairwise accuracy {eval_accuracy:.3f}",)),
-    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed",), ("sft_model", "reward_model", "prompt_data"),
+              outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}")),
+    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference"), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
-              outcomes=(PPO_OUTCOME,)),
+              outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})")),
     # serve registers in the tracking server's model registry: another registry is another result.
     # `tracking_uri` is PipelineConfig's, without the password: another password is the same registry.
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),

@@ -6,7 +6,10 @@ because what it computes differs. The model is a sequence classifier with one ou
 (`AutoModelForSequenceClassification`, `num_labels=1`) initialised from the SFT model by default;
 chosen and rejected answers go through one forward pass and the loss is
 `-log sigmoid(r_chosen - r_rejected)`. Evaluation: pairwise accuracy (share of held-out pairs
-with r_chosen > r_rejected) and mean margin.
+with r_chosen > r_rejected) and mean margin. With a gold preference (`task.preference.gold`), the
+held-out pairs are also re-labelled by the gold function and `eval_accuracy_gold` reported beside
+`eval_accuracy`, which is against the data's (noisy) labels: a reward model that learned the
+preference rather than the noise scores higher against gold than against its own labels.
 
 `lm_loss_weight` adds a language-modelling loss on the chosen answers (the hidden-state
 regularisation of "Generalizable Reward Models", Yang et al. 2024). Why: the score is read at the
@@ -89,6 +92,29 @@ def lm_loss(hidden, head_weight, input_ids, mask):
     return (nll * m).sum() / m.sum().clamp(min=1.0)
 
 
+def gold_signs(prompts, chosen, rejected, gold) -> list[int]:
+    """Per pair: +1 where the gold preference prefers the stored `chosen`, -1 where it prefers `rejected`
+    (a flipped label), 0 on a tie (left out of the gold accuracy)."""
+    out = []
+    for p, c, r in zip(prompts, chosen, rejected):
+        gc, gr = float(gold(str(p), str(c))), float(gold(str(p), str(r)))
+        out.append((gc > gr) - (gc < gr))
+    return out
+
+
+def collate_eval(batch: dict, pad_id: int, gold_spec: str | None) -> dict:
+    """`collate`, plus each pair's `gold_sign` when a gold preference is set."""
+    import torch
+
+    out = collate(batch, pad_id)
+    if gold_spec:
+        from stages.common.tasks import gold_function
+
+        signs = gold_signs(batch["prompt"], batch["chosen"], batch["rejected"], gold_function(gold_spec))
+        out["gold_sign"] = torch.tensor(signs)
+    return out
+
+
 def _rewards(engine, batch):
     r = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
     half = r.shape[0] // 2
@@ -125,13 +151,14 @@ def capture_score_input(model) -> dict:
 
 
 def _evaluate(engine, batches) -> dict[str, float]:
-    """Pairwise accuracy, mean margin and loss over every rank's eval shard."""
+    """Pairwise accuracy, mean margin and loss over every rank's eval shard; with gold signs, the accuracy
+    against the gold labels too."""
     import torch
 
     from stages.common.training import all_reduce_sum
 
     engine.eval()
-    correct = margin = loss = n = 0.0
+    correct = margin = loss = n = gold_correct = gold_n = 0.0
     with torch.no_grad():
         for batch in batches:
             rc, rr = _rewards(engine, batch)
@@ -139,9 +166,14 @@ def _evaluate(engine, batches) -> dict[str, float]:
             margin += float((rc - rr).sum())
             loss += float(bradley_terry_loss(rc, rr)) * len(rc)
             n += len(rc)
+            if "gold_sign" in batch:
+                sign = batch["gold_sign"]
+                gold_correct += float(((rc > rr) == (sign > 0))[sign != 0].sum())
+                gold_n += float((sign != 0).sum())
     engine.train()
-    correct, margin, loss, n = all_reduce_sum([correct, margin, loss, n])
-    return {"eval_accuracy": correct / max(n, 1), "eval_margin": margin / max(n, 1), "eval_loss": loss / max(n, 1)}
+    correct, margin, loss, n, gold_correct, gold_n = all_reduce_sum([correct, margin, loss, n, gold_correct, gold_n])
+    out = {"eval_accuracy": correct / max(n, 1), "eval_margin": margin / max(n, 1), "eval_loss": loss / max(n, 1)}
+    return out | ({"eval_accuracy_gold": gold_correct / gold_n} if gold_n else {})
 
 
 def train_loop(c: dict) -> None:
@@ -170,7 +202,8 @@ def train_loop(c: dict) -> None:
     # This rank's batches of each split, read once and replayed (the same batches at every pass).
     collate_fn = partial(collate, pad_id=pad_id)
     trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
-    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, collate_fn, rank, world)
+    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size,
+                                 partial(collate_eval, pad_id=pad_id, gold_spec=c.get("gold")), rank, world)
     if state["step"] == 0:
         first = _evaluate(engine, evals)
         log.log(first, 0)
@@ -254,12 +287,13 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name,
+        "run_id": ctx.run_id, "name": ctx.name, "gold": ctx.pipeline.task.preference.gold,
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "sequence")  # a LoRA adapter is merged into `init` here
-    ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}, "
+    gold = f", against the gold labels {metrics['eval_accuracy_gold']:.3f}" if "eval_accuracy_gold" in metrics else ""
+    ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}{gold}, "
                  f"mean margin {metrics.get('eval_margin', float('nan')):.3f}")
     ctx.log_metrics(metrics, step=steps)
     return {"reward_model": out}

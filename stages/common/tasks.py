@@ -10,11 +10,12 @@ the same rows on every machine. Later stages use `verify` (and `extract_answer`)
 
 from __future__ import annotations
 
+import importlib
 import random
 import re
-from typing import Literal
+from typing import Callable, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
 
@@ -28,6 +29,28 @@ PROMPT_TEMPLATES = (
 )
 
 
+class PreferenceConfig(Section):
+    """A gold preference over responses: it labels the generated preference pairs (with noise) and judges
+    the RL policy on held-out prompts, the simulated-annotator set-up of Gao et al. 2022 and AlpacaFarm."""
+
+    gold: str | None = Field(None, description="'explained' (built in: a point for showing the worked steps and "
+                             "a point for closing with 'The answer is N.' where N is the result the steps reached; "
+                             "blind to whether the arithmetic is right) or 'module:function' taking (prompt, "
+                             "response) and returning a float, higher preferred. Generated SFT answers then come in "
+                             "four styles (bare number, steps, stated answer, steps then stated answer) and each "
+                             "generated pair is two styles of the same correct answer, labelled by the gold "
+                             "function. Empty: a pair is a correct answer over a plausible wrong one.")
+    noise: float = Field(0.15, ge=0, lt=0.5, description="Share of generated pairs whose label is flipped: human "
+                         "preference data disagrees with itself on 10-30% of pairs.")
+
+    @field_validator("gold")
+    @classmethod
+    def _gold_form(cls, v: str | None) -> str | None:
+        if v is not None and v not in GOLD and (":" not in v or not all(v.split(":", 1))):
+            raise ValueError(f"must be one of {', '.join(GOLD)} or 'module:function', got {v!r}")
+        return v
+
+
 class TaskConfig(Section):
     """The generated task: integer arithmetic problems, evaluated left to right."""
 
@@ -38,6 +61,8 @@ class TaskConfig(Section):
     operands: int = Field(2, ge=2, le=4, description="Operands per problem, evaluated left to right "
                           "(`3 + 5 - 7`). With more than 2 the worked answer shows each intermediate result "
                           "(`8 - 7 = 1`), so every step is one small fact the model can learn.")
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig, description="A gold preference over "
+                                         "responses that labels the generated pairs and judges RL (empty: none).")
 
     @model_validator(mode="after")
     def _digits_ordered(self) -> "TaskConfig":
@@ -98,26 +123,114 @@ def _wrong_value(rng: random.Random, value: int) -> int:
             return wrong
 
 
+# --------------------------------------------------------------------------- the gold preference
+# Answer styles of the generated task when a gold preference is set: the same correct answer written
+# four ways. The SFT data mixes them evenly, so the SFT policy writes each about a quarter of the time
+# and a preference over them is something RL can move.
+STYLES = ("{value}", "{work}", "The answer is {value}.", "{work}. The answer is {value}.")
+_STATED = re.compile(r"The answer is (-?\d+)\.$")
+
+
+def explained(prompt: str, response: str) -> float:
+    """The built-in gold preference: 0-2 points, blind to whether the arithmetic is right.
+
+    One point for showing the work (a worked step, `8 - 7 = 1`); one for closing with the stated
+    answer (`The answer is 1.`, nothing after it) when that answer is the one the work reached (or
+    there is no work). Correctness never enters: a wrong sum explained and stated scores 2. So a
+    reward model that learns it learns a style, which the verifier cannot see, and a policy can
+    over-optimise a proxy of it (a stated answer that contradicts its own work scores 1 here).
+    """
+    text = response.strip()
+    work = "=" in text
+    stated = _STATED.search(text)
+    if stated is None:
+        return float(work)
+    if not work:
+        return 1.0
+    head = text[: stated.start()]
+    reached = _NUMBER.findall(head[head.rindex("=") + 1:]) if "=" in head else []
+    return 1.0 + float(bool(reached) and reached[0] == stated.group(1))
+
+
+GOLD: dict[str, Callable[[str, str], float]] = {"explained": explained}
+
+
+def gold_function(spec: str) -> Callable[[str, str], float]:
+    """The gold preference named by `task.preference.gold`: a built-in name or 'module:function'."""
+    if spec in GOLD:
+        return GOLD[spec]
+    from pipeline.errors import UserError
+
+    module, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise UserError(f"task.preference.gold: cannot load {spec!r} ({exc}); give one of {', '.join(GOLD)} or an "
+                        "importable 'module:function' taking (prompt, response) and returning a float") from None
+    if not callable(fn):
+        raise UserError(f"task.preference.gold: {spec!r} is not callable; give a function (prompt, response) -> float")
+    return fn
+
+
+def styled(work: str, value: int, style: int) -> str:
+    """The correct answer written in answer style `style` (an index into STYLES)."""
+    return STYLES[style].format(work=work, value=value)
+
+
+def label_pair(prompt: str, a: str, b: str, gold, flip: bool) -> tuple[str, str, bool] | None:
+    """(chosen, rejected, label is gold's) for two responses, or None when gold ties them (no preference
+    to learn). `flip` swaps the pair: the label noise of human preference data."""
+    ga, gb = float(gold(prompt, a)), float(gold(prompt, b))
+    if ga == gb:
+        return None
+    chosen, rejected = (a, b) if ga > gb else (b, a)
+    return (rejected, chosen, False) if flip else (chosen, rejected, True)
+
+
+# --------------------------------------------------------------------------- rows
+
+
 def sft_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
-    """`n` chat conversations (user question, assistant worked answer)."""
+    """`n` chat conversations (user question, assistant worked answer; with a gold preference, the answer in
+    one of the four `STYLES`, drawn evenly)."""
     rng = random.Random(f"sft-{seed}")
     rows = []
     for _ in range(n):
-        prompt, response, _, group = _problem(rng, cfg)
+        prompt, response, value, group = _problem(rng, cfg)
+        if cfg.preference.gold:
+            response = styled(response, value, rng.randrange(len(STYLES)))
         rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
                      "group": group})
     return rows
 
 
 def preference_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
-    """`n` preference pairs: the correct answer is chosen over a plausible wrong one."""
+    """`n` preference pairs. Without a gold preference: the correct answer is chosen over a plausible wrong
+    one. With one: two styles of the correct answer, the one gold prefers chosen, except for a `noise`
+    share of pairs whose label is flipped (the reward stage re-labels its held-out pairs by the gold function
+    and reports its accuracy against both)."""
     rng = random.Random(f"preference-{seed}")
+    gold = gold_function(cfg.preference.gold) if cfg.preference.gold else None
     rows = []
     for _ in range(n):
         prompt, response, value, group = _problem(rng, cfg)
-        head = response.rsplit("=", 1)[0]
-        rows.append({"prompt": prompt, "chosen": response, "rejected": f"{head}= {_wrong_value(rng, value)}",
-                     "group": group})
+        if gold is None:
+            head = response.rsplit("=", 1)[0]
+            rows.append({"prompt": prompt, "chosen": response, "rejected": f"{head}= {_wrong_value(rng, value)}",
+                         "group": group})
+            continue
+        flip = rng.random() < cfg.preference.noise
+        for _attempt in range(20):
+            a, b = rng.sample(range(len(STYLES)), 2)
+            pair = label_pair(prompt, styled(response, value, a), styled(response, value, b), gold, flip)
+            if pair is not None:
+                break
+        else:
+            from pipeline.errors import UserError
+
+            raise UserError(f"task.preference.gold: {cfg.preference.gold} gave every answer style of {prompt!r} the "
+                            "same score; a gold function must prefer some styles over others")
+        rows.append({"prompt": prompt, "chosen": pair[0], "rejected": pair[1], "group": group})
     return rows
 
 

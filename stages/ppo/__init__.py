@@ -77,6 +77,8 @@ class _Session:
     rule: Callable[[str, str, str], float]
     train_rows: list[dict]
     eval_rows: list[dict]
+    gold: Callable[[str, str], float] | None = None  # task.preference.gold: the judge no stage trains on
+    moments: Any = None  # rewards.normalize: running statistics of the reward model's scores
     groups: dict[str, Any] = field(default_factory=dict)  # role -> ModelGroup
     trained: dict[str, Any] = field(default_factory=dict)  # the trainable roles among them
     pool: Any = None  # the EnginePool
@@ -153,6 +155,14 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
         tok = loader.submit(load_tokenizer, sft)
         ctx.ray()
         s = _Session(tok.result(), rule, train_rows, eval_rows)
+    if ctx.pipeline.task.preference.gold:
+        from stages.common.tasks import gold_function
+
+        s.gold = gold_function(ctx.pipeline.task.preference.gold)
+    if cfg.rewards.normalize:
+        from stages.ppo.scoring import RunningMoments
+
+        s.moments = RunningMoments()
     gpu, seed, ppo = use_gpu(), ctx.pipeline.seed, cfg.algorithm == "ppo"
     _check_cluster(cfg)
     lora_ref = cfg.policy.lora is not None  # the reference is the LoRA policy with its adapter off
@@ -298,14 +308,58 @@ def _resume(s: _Session, ctx: StageContext, kl_ctl) -> tuple[int, dict]:
 
     latest = _latest(ctx.checkpoint_dir, ctx.storage)
     if not latest:
-        return 0, {"reward": [], "kl": []}
+        return 0, {"reward": [], "kl": [], "curve": []}
     d = ctx.checkpoint_dir / latest["dir"]
     ray.get([r for name, g in s.trained.items() for r in g.run("load", str(d / name))])
     state = json.loads((d / "state.json").read_text())
     kl_ctl.value = state["kl_coef"]
+    if s.moments is not None and state.get("moments"):
+        s.moments.count, s.moments.mean, s.moments.m2 = state["moments"]
     s.pool.sync(s.role("policy").get("export_weights")[0][0], version=state["iteration"] + 1)
     ctx.progress(f"resumed from the checkpoint of iteration {state['iteration']}")
-    return state["iteration"] + 1, state.get("trend", {"reward": [], "kl": []})
+    return state["iteration"] + 1, {"curve": []} | state.get("trend", {"reward": [], "kl": []})
+
+
+# --------------------------------------------------------------------------- the over-optimisation curve
+
+
+def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend: dict, ctx: StageContext) -> None:
+    """One point of the over-optimisation curve, on the first `curve_prompts` held-out prompts with
+    `curve_samples` samples each from the engines' current weights: the reward model's mean score
+    (the proxy), the mean training reward, the mean gold score and the KL to the reference per
+    response (k1 summed over the response, from the engines' and the reference's log-probs of the
+    sampled tokens). Logged as heldout_* at step `it` and kept in `trend['curve']` (checkpointed)."""
+    import ray
+
+    from stages.ppo import rl
+    from stages.ppo.scoring import generate, score
+    from stages.ppo.worker import shard_batch
+
+    rows = s.eval_rows[: cfg.curve_prompts]
+    if not rows or any(p["iteration"] == it for p in trend["curve"]):
+        return
+    k = cfg.curve_samples
+    sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+                "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0, "seed": 54321}
+    flat = generate(s.pool, rows, sampling)
+    reps = [r for r in rows for _ in range(k)]
+    texts = s.tok.batch_decode([x["ids"] for x in flat], skip_special_tokens=True)
+    batch = rl.make_batch([r["prompt_ids"] for r in reps], [x["ids"] for x in flat], s.tok.pad_token_id)
+    ref_refs = ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=cfg.micro_batch_size)
+    scores, _, raw = score(texts, reps, s.role("reward"), cfg, s.rule, moments=s.moments)
+    mask = batch["response_mask"]
+    policy_lp = rl.pad_rows([x["logprobs"] for x in flat], mask.shape[1])
+    import torch
+
+    ref_lp = torch.cat(ray.get(ref_refs))
+    kl = float(((policy_lp - ref_lp) * mask).sum(1).mean())
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    point = {"iteration": it, "kl": kl, "reward": mean(scores), "proxy": mean(raw) if raw else None,
+             "gold": mean([float(s.gold(r["prompt"], t)) for t, r in zip(texts, reps)]) if s.gold else None}
+    trend["curve"].append(point)
+    ctx.log_metrics({f"heldout_{k}": v for k, v in point.items() if k != "iteration" and v is not None}, step=it)
+    ctx.progress(f"held-out curve at iteration {it}: kl {kl:.3f}, reward {point['reward']:.3f}"
+                 + (f", proxy {point['proxy']:.3f}" if raw else "") + (f", gold {point['gold']:.3f}" if s.gold else ""))
 
 
 # --------------------------------------------------------------------------- the end: export and evaluate
@@ -316,7 +370,7 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     """Export the trained policy as an HF model, and score it on the held-out prompts against `before`."""
     import ray
 
-    from stages.ppo.scoring import compare, evaluate, slope
+    from stages.ppo.scoring import compare, evaluate, gold_win_rate, plot_curve, slope
 
     out = ctx.out_dir / "model"
     ray.get(s.role("policy").run("save_hf", str(out)))
@@ -331,9 +385,21 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     final = dict(metrics)
     if trend["reward"]:  # the run's learning curve in two numbers (over every iteration, resumed ones too)
         final.update(reward_slope=slope(trend["reward"]), kl_max=max(trend["kl"]))
+    if trend["curve"]:  # the over-optimisation curve as one picture on the stage's run
+        plot = ctx.out_dir / "overoptimisation.png"
+        plot_curve(trend["curve"], plot)
+        ctx.log_artifact(plot)
+        ctx.log_dict(trend["curve"], "overoptimisation.json")
     if before is not None:
-        after = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule)
+        before, before_gold = before
+        after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
+        if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
+            final.update(gold_win_rate(before_gold, after_gold))
+            ctx.progress(f"held-out gold win-rate against the SFT policy ({len(s.eval_rows)} prompts, "
+                         f"{cfg.eval_samples} samples each): {final['gold_winrate']:.3f} ({final['gold_winrate_wins']} "
+                         f"prompts won, {final['gold_winrate_losses']} lost, sign test p "
+                         f"{final['gold_winrate_p']:.2g})")
         for key in (k for k in before if not k.endswith("truncated")):
             ctx.progress(f"held-out {key.replace('_', ' ')} ({len(s.eval_rows)} prompts): "
                          f"{final[f'eval_{key}_before']:.3f} -> {final[f'eval_{key}']:.3f} "
@@ -373,7 +439,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
         # the reference role's ranks.
         ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
         t_ready = time.time()
-        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule) if s.eval_rows else None  # the SFT policy
+        # the SFT policy, on the held-out prompts (and, with a gold preference, each sampled answer's gold score)
+        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule, s.gold, s.moments) if s.eval_rows else None
         kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
         t0 = time.time()
         start, trend = _resume(s, ctx, kl_ctl)
@@ -393,6 +460,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
         # generation overlaps scoring and training, and they come from weights one update older (staleness 1).
         nxt = _request(s, cfg, seed, start, fault_at)
         for it in range(start, cfg.iterations):
+            if cfg.eval_every and it % cfg.eval_every == 0:  # the over-optimisation curve, before update `it`
+                _curve_point(s, cfg, ref, ref_call, it, trend, ctx)
             t_iter = time.time()
             req = _collect(s, nxt, n, ctx.progress)
             if cfg.rollout.async_ and it + 1 < cfg.iterations:
@@ -418,7 +487,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
             old_refs = policy.run_each("logprobs", shards, micro=micro) if own else []
             value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
-            scores, rule_scores = score(texts, rows, reward, cfg, s.rule, rm_refs)
+            scores, rule_scores, rm_scores = score(texts, rows, reward, cfg, s.rule, rm_refs, s.moments, update=True)
             mask, score_t = batch["response_mask"], torch.tensor(scores)
             rollout_lp = rl.pad_rows(rollout_lp, mask.shape[1])
             ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
@@ -462,6 +531,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
                 "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20, "staleness": staleness,
                 "gen_tokens_per_s": gen_tokens / max(gen_span, 1e-9), "iteration_s": time.time() - t_iter,
                 "engine_restarts": pool.restarts, **mismatch, **({"startup_s": startup_s} if it == start else {}),
+                **({"rm_score_mean": sum(rm_scores) / len(rm_scores)} if rm_scores else {}),
+                **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(texts, rows)) / len(rows)} if s.gold else {}),
             }
             ctx.log_metrics(metrics, step=it + 1)
             trend["reward"].append(metrics["reward_mean"])
@@ -474,10 +545,12 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
                         f"train {t_train:.1f}s sync {t_sync:.2f}s")
             # 9. checkpoint
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
-                _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend},
-                      ctx.storage)
+                _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend,
+                      "moments": s.moments.state() if s.moments is not None else None}, ctx.storage)
                 if fault_after and it + 1 >= fault_after > start:
                     raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
+        if cfg.eval_every and cfg.iterations % cfg.eval_every == 0:  # the curve's last point: the trained policy
+            _curve_point(s, cfg, ref, ref_call, cfg.iterations, trend, ctx)
         out, final = _finish(s, cfg, ctx, before, metrics, trend)
         ctx.log_metrics(final, step=cfg.iterations)
         return {"policy_model": out}

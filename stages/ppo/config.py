@@ -132,6 +132,12 @@ class RewardMix(Section):
     rule_weight: float = Field(1.0, description="Weight of the rule reward.")
     rule: str = Field("verifier", description="'verifier' (1 if the task verifier accepts the answer, else 0) or "
                       "'module:function' taking (prompt, response, answer) and returning a float.")
+    normalize: bool = Field(False, description="Standardise the reward model's scores by the running mean and std "
+                            "of every training batch's scores so far (then weighted by model_weight): the proxy's "
+                            "scale no longer depends on how far Bradley-Terry training spread its logits.")
+    clip: float | None = Field(None, gt=0, description="Clip the reward model's (normalised, if normalize) scores "
+                               "to [-clip, clip]: the policy gains nothing by pushing the proxy past it, a standard "
+                               "guard against reward over-optimisation (empty: no clipping).")
 
     @field_validator("rule")
     @classmethod
@@ -165,6 +171,11 @@ class PPOConfig(Section):
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (empty: no value clipping).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 per batch (PPO).")
+    group_std_floor: float = Field(0.1, ge=0, description="GRPO: a prompt's group whose scores spread (std) less "
+                                   "than this is divided by it instead of its own spread, so nearly equal scores "
+                                   "(a reward model's small differences between equally wrong answers) do not become "
+                                   "unit advantages. In the reward's units; the verifier's 0/1 groups of n >= 2 "
+                                   "spread at least 0.33 when they differ, so it leaves them alone.")
     critic_zero_init: bool = Field(True, description="Start the critic's value head at zero (its backbone from the "
                                    "reward model). The reward model's head outputs Bradley-Terry logits, several units "
                                    "off the 0-1 scale of the rewards; such values swamp the first advantages.")
@@ -182,6 +193,13 @@ class PPOConfig(Section):
     checkpoint_every: int = Field(5, ge=1, description="Checkpoint policy and critic every N iterations (and at the end).")
     eval_prompts: int | None = Field(None, ge=0, description="Held-out prompts scored before and after PPO "
                                      "(empty: every held-out prompt; 0: skip).")
+    eval_every: int | None = Field(None, ge=1, description="Every N iterations (and before the first): the "
+                                   "over-optimisation curve on `curve_prompts` held-out prompts: mean reward-model "
+                                   "score (the proxy), mean training reward, mean gold score (with task.preference."
+                                   "gold) and KL to the reference per response, logged as heldout_* metrics and, at "
+                                   "the end, as the plot overoptimisation.png (gold and proxy against KL). Empty: off.")
+    curve_prompts: int = Field(64, ge=1, description="Held-out prompts each point of the eval_every curve samples.")
+    curve_samples: int = Field(4, ge=1, description="Samples per prompt at each point of the eval_every curve.")
     log_samples: int = Field(4, ge=0, description="Sampled completions (with prompt, answer and reward) attached to "
                              "the MLflow run every iteration as samples/iter_NNNN.json (0: none).")
     eval_samples: int = Field(8, ge=0, description="Besides the greedy answer, sample this many responses per held-out "

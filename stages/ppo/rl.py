@@ -140,17 +140,23 @@ def gae(
     return advantages, advantages + values
 
 
-def grpo_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-6, std_floor: float = 0.0) -> torch.Tensor:
     """GRPO's advantage (Shao et al. 2024): each score standardized within its prompt's group.
 
     scores is (B,) with B = n_prompts * group_size and each prompt's samples contiguous. The
     group mean is the baseline, so no value model is needed; a group of equal scores (all right
     or all wrong) gives zeros and teaches nothing, which is the intent.
+
+    `std_floor`: a group whose scores spread less than this is divided by the floor, not by its own
+    spread. Why: dividing by the std blows any spread up to unit advantages, so a group of nearly
+    equal scores (all answers wrong, told apart only by a reward model's small differences) pushed
+    the policy as hard as a group of right and wrong answers; on the real model that drowned the
+    verifier's signal when the reward model was mixed in (bench/RESULTS.md). In the reward's units.
     """
     groups = _groups(scores, group_size, minimum=1)
     mean = groups.mean(dim=1, keepdim=True)
     std = groups.std(dim=1, unbiased=False, keepdim=True)
-    return ((groups - mean) / (std + eps)).view(-1)
+    return ((groups - mean) / (std.clamp(min=std_floor) + eps)).view(-1)
 
 
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -386,6 +392,8 @@ def advantages(cfg: PPOConfig, scores, kl, mask, kl_coef: float, values=None):
         return (masked_whiten(adv, mask) if cfg.whiten_advantages else adv), returns, 0.0
     if cfg.algorithm == "reinforce_pp":
         return reinforce_pp_advantages(token_rewards(scores, kl, mask, kl_coef), mask, cfg.gamma), None, 0.0
-    per_response = {"grpo": grpo_advantages, "rloo": rloo_advantages,
-                    "dr_grpo": dr_grpo_advantages}[cfg.algorithm](scores, cfg.sampling.n)
+    if cfg.algorithm == "grpo":
+        per_response = grpo_advantages(scores, cfg.sampling.n, std_floor=cfg.group_std_floor)
+    else:
+        per_response = {"rloo": rloo_advantages, "dr_grpo": dr_grpo_advantages}[cfg.algorithm](scores, cfg.sampling.n)
     return per_response[:, None] * mask, None, kl_coef

@@ -1,8 +1,11 @@
-"""What a response scores, and whether PPO helped: the rule reward, the reward mix, the held-out
-evaluation before and after training, and the statistics that compare them.
+"""What a response scores, and whether PPO helped: the rule reward, the reward mix (with the reward
+model's scores normalised and clipped if asked), the held-out evaluation before and after
+training, the gold win-rate, and the statistics that compare them.
 
 `score` is used every iteration and by `evaluate`; `compare` turns two evaluations into the
-paired figures MLflow and `bench/learning.py` report (means, prompts up / down, sign test).
+paired figures MLflow and `bench/learning.py` report (means, prompts up / down, sign test);
+`gold_win_rate` judges the trained policy's sampled answers against the SFT policy's with the
+task's gold preference (`task.preference.gold`), which no stage trains on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,44 @@ def rule_reward(spec: str):
     return fn
 
 
+class RunningMoments:
+    """Running mean and standard deviation of the reward model's scores (Chan et al.'s parallel update),
+    for `rewards.normalize`: the scores are standardised by the statistics of every training batch so far
+    (OpenRLHF's and TRL's reward normalisation). Evaluation uses them without updating them."""
+
+    def __init__(self, count: float = 0.0, mean: float = 0.0, m2: float = 0.0):
+        self.count, self.mean, self.m2 = count, mean, m2
+
+    def update(self, xs: list[float]) -> None:
+        n = len(xs)
+        if not n:
+            return
+        mean = sum(xs) / n
+        m2 = sum((x - mean) ** 2 for x in xs)
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count > 1 else 1.0
+
+    def state(self) -> list[float]:
+        return [self.count, self.mean, self.m2]
+
+
+def shape_model_scores(xs: list[float], moments: RunningMoments | None, clip: float | None) -> list[float]:
+    """The reward model's scores as the policy sees them: standardised by `moments` (if normalising) and
+    clipped to [-clip, clip] (if clipping). Both bound how far a policy can push a proxy it exploits."""
+    if moments is not None:
+        std = max(moments.std, 1e-6)
+        xs = [(x - moments.mean) / std for x in xs]
+    if clip is not None:
+        xs = [min(max(x, -clip), clip) for x in xs]
+    return xs
+
+
 def request_model_scores(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig) -> list | None:
     """Start the reward model on the responses (one ref per rank; None without a reward model), so the
     caller can issue its other passes before waiting."""
@@ -40,50 +81,92 @@ def request_model_scores(texts: list[str], rows: list[dict], reward_group, cfg: 
     return reward_group.run_each("scores", shard(pairs, len(reward_group)), micro=cfg.micro_batch_size)
 
 
-def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule,
-          model_refs: list | None = None) -> tuple[list[float], list[float]]:
-    """(mixed score, verifier-style rule reward) per response; `model_refs` from `request_model_scores`
-    if the reward model was started already."""
+def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule, model_refs: list | None = None,
+          moments: RunningMoments | None = None, update: bool = False) -> tuple[list[float], list[float], list[float]]:
+    """(mixed score, verifier-style rule reward, the reward model's raw score or [] without one) per
+    response; `model_refs` from `request_model_scores` if the reward model was started already. With
+    `rewards.normalize`, `moments` standardises the model's scores (`update`: first fold these scores in,
+    as the training loop does)."""
     import ray
 
     rule_scores = [float(rule(r["prompt"], t, r.get("answer") or "")) for t, r in zip(texts, rows)]
     scores = [cfg.rewards.rule_weight * s for s in rule_scores]
+    raw: list[float] = []
     if reward_group is not None:
         parts = ray.get(model_refs or request_model_scores(texts, rows, reward_group, cfg))
-        scores = [s + cfg.rewards.model_weight * m for s, m in zip(scores, [x for p in parts for x in p])]
-    return scores, rule_scores
+        raw = [x for p in parts for x in p]
+        if moments is not None and update:
+            moments.update(raw)
+        shaped = shape_model_scores(raw, moments, cfg.rewards.clip)
+        scores = [s + cfg.rewards.model_weight * m for s, m in zip(scores, shaped)]
+    return scores, rule_scores, raw
 
 
-def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule) -> dict[str, list[float]]:
-    """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
-    `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
-    as given: counted and reported, so a length limit that cuts answers short shows).
-
-    The engines answer with their current weights; sampling uses a fixed seed, so the SFT policy
-    (before) and the trained one (after) draw from the same random stream.
-    """
+def generate(pool, rows: list[dict], sampling: dict) -> list[dict]:
+    """Every sample of every row's prompt from the engines' current weights, prompts spread over the
+    engines; a prompt's `sampling['n']` samples adjacent."""
     import ray
 
     from stages.ppo.groups import shard
 
-    def answers(sampling: dict, k: int) -> tuple[list[float], list[float], list[float]]:
-        parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
-        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
-        flat = [s for part in outs for group in part for s in group]
+    parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
+    outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
+    return [s for part in outs for group in part for s in group]
+
+
+def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
+             moments: RunningMoments | None = None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
+    """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
+    `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
+    as given: counted and reported, so a length limit that cuts answers short shows). With a `gold`
+    preference also `gold` / `sampled_gold`, and, second, every sampled answer's gold score per prompt
+    (for `gold_win_rate`); else None.
+
+    The engines answer with their current weights; sampling uses a fixed seed, so the SFT policy
+    (before) and the trained one (after) draw from the same random stream.
+    """
+
+    def answers(sampling: dict, k: int) -> tuple[dict[str, list[float]], list[list[float]] | None]:
+        flat = generate(pool, rows, sampling)
         texts = tok.batch_decode([s["ids"] for s in flat], skip_special_tokens=True)
-        scores, correct = score(texts, [r for r in rows for _ in range(k)], reward_group, cfg, rule)
+        reps = [r for r in rows for _ in range(k)]
+        scores, correct, _ = score(texts, reps, reward_group, cfg, rule, moments=moments)
         cut = [float(not s["finished"]) for s in flat]  # stopped by max_new_tokens, not by the model
-        mean = lambda xs: [sum(xs[i * k:(i + 1) * k]) / k for i in range(len(rows))]  # noqa: E731
-        return mean(scores), mean(correct), mean(cut)
+        per = lambda xs: [xs[i * k:(i + 1) * k] for i in range(len(rows))]  # noqa: E731
+        mean = lambda xs: [sum(p) / k for p in per(xs)]  # noqa: E731
+        out = {"reward": mean(scores), "accuracy": mean(correct), "truncated": mean(cut)}
+        if gold is None:
+            return out, None
+        golds = [float(gold(r["prompt"], t)) for t, r in zip(texts, reps)]
+        return out | {"gold": mean(golds)}, per(golds)
 
     greedy = {"temperature": 0.0, "max_tokens": cfg.sampling.max_new_tokens}
-    out = dict(zip(("reward", "accuracy", "truncated"), answers(greedy, 1)))
+    out, each = answers(greedy, 1)
     if cfg.eval_samples:
-        k = cfg.eval_samples
-        sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
+        sampling = {"n": cfg.eval_samples, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                     "max_tokens": cfg.sampling.max_new_tokens, "seed": 12345}
-        out["sampled_reward"], out["sampled_accuracy"], out["sampled_truncated"] = answers(sampling, k)
-    return out
+        sampled, each = answers(sampling, cfg.eval_samples)
+        out |= {f"sampled_{k}": v for k, v in sampled.items()}
+    return out, each
+
+
+def win_rate(before: list[float], after: list[float]) -> float:
+    """How often an answer drawn from `after` beats one drawn from `before` by the gold scores: every pair
+    compared, a tie counts a half (AlpacaFarm's win-rate)."""
+    if not before or not after:
+        return 0.5
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in after for b in before)
+    return wins / (len(after) * len(before))
+
+
+def gold_win_rate(before: list[list[float]], after: list[list[float]]) -> dict[str, float]:
+    """The trained policy against the SFT policy on the held-out prompts, judged by the gold preference:
+    `gold_winrate` (the mean over prompts of `win_rate`), the prompts where the trained policy wins (> 0.5)
+    and loses (< 0.5), and the two-sided sign test over them (`gold_winrate_p`)."""
+    rates = [win_rate(b, a) for b, a in zip(before, after)]
+    wins, losses = sum(r > 0.5 for r in rates), sum(r < 0.5 for r in rates)
+    return {"gold_winrate": sum(rates) / max(len(rates), 1), "gold_winrate_wins": wins,
+            "gold_winrate_losses": losses, "gold_winrate_p": sign_test_p(wins, losses)}
 
 
 def slope(values: list[float]) -> float:
@@ -125,3 +208,31 @@ def samples(rows: list[dict], texts: list[str], scores: list[float], correct: li
     """The first sample of the first `k` prompts of an iteration, for a person to read in MLflow."""
     return [{"prompt": rows[i]["prompt"], "answer": rows[i].get("answer"), "response": texts[i],
              "reward": round(scores[i], 4), "rule_reward": correct[i]} for i in range(0, min(k * n, len(rows)), n)]
+
+
+def plot_curve(points: list[dict], path) -> None:
+    """The over-optimisation plot (Gao et al. 2022, figure 1): the held-out gold score and the reward
+    model's score (the proxy) against the KL to the reference, one point per `eval_every`. Where gold
+    turns down while the proxy still rises, the policy exploits the reward model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kl = [p["kl"] for p in points]
+    fig, gold_ax = plt.subplots(figsize=(6, 4))
+    if any(p.get("gold") is not None for p in points):
+        gold_ax.plot(kl, [p.get("gold") for p in points], "o-", color="tab:green", label="gold")
+    gold_ax.set_xlabel("KL to the reference (nats per response)")
+    gold_ax.set_ylabel("held-out gold score")
+    if any(p.get("proxy") is not None for p in points):
+        proxy_ax = gold_ax.twinx()
+        proxy_ax.plot(kl, [p.get("proxy") for p in points], "s--", color="tab:blue", label="proxy (reward model)")
+        proxy_ax.set_ylabel("held-out reward-model score")
+        proxy_ax.legend(loc="lower right")
+    gold_ax.legend(loc="upper left")
+    for p in points:
+        gold_ax.annotate(str(p["iteration"]), (p["kl"], p.get("gold") or 0), fontsize=7, alpha=0.6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
