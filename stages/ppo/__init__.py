@@ -36,7 +36,11 @@ is in `rl.py`, tested against hand-computed values.
 Held-out evaluation: greedy answers of the engines on every eval prompt (and `eval_samples`
 sampled ones, same seed), before PPO (the SFT policy) and after, scored by the same reward;
 MLflow gets both, and how many prompts changed either way (a paired sign test says whether the
-gain is noise). `bench/learning.py` runs this per seed and algorithm.
+gain is noise). `bench/learning.py` runs this per seed and algorithm. With a gold preference
+(`task.preference.gold`, docs/rlhf.md), the gold function, which trains nothing, also judges the
+sampled answers of the trained policy against the SFT policy's (`gold_win_rate`), and every
+`eval_every` iterations `_curve_point` logs the over-optimisation curve (proxy, gold, KL on
+held-out prompts). `bench/rlhf.py` runs that per seed and algorithm.
 
 Run alone: `python -m pipeline run configs/full.yaml --only ppo` (after `sft` and `reward`).
 A rerun after an interruption resumes from the last checkpoint (`checkpoint_every`).
