@@ -159,16 +159,22 @@ def gold_function(spec: str) -> Callable[[str, str], float]:
     """The gold preference named by `task.preference.gold`: a built-in name or 'module:function'."""
     if spec in GOLD:
         return GOLD[spec]
+    return load_function(spec, "task.preference.gold", f"one of {', '.join(GOLD)} or an importable 'module:function' "
+                         "taking (prompt, response) and returning a float")
+
+
+def load_function(spec: str, key: str, expected: str) -> Callable:
+    """The function a config names as 'module:function' (a rule reward, a gold preference); a clear error
+    naming `key` and what it should be (`expected`) when it cannot be imported or is not callable."""
     from pipeline.errors import UserError
 
     module, name = spec.split(":", 1)
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise UserError(f"task.preference.gold: cannot load {spec!r} ({exc}); give one of {', '.join(GOLD)} or an "
-                        "importable 'module:function' taking (prompt, response) and returning a float") from None
+        raise UserError(f"{key}: cannot load {spec!r} ({exc}); give {expected}") from None
     if not callable(fn):
-        raise UserError(f"task.preference.gold: {spec!r} is not callable; give a function (prompt, response) -> float")
+        raise UserError(f"{key}: {spec!r} is not callable; give {expected}")
     return fn
 
 

@@ -10,26 +10,18 @@ task's gold preference (`task.preference.gold`), which no stage trains on.
 
 from __future__ import annotations
 
-import importlib
 import math
 
-from pipeline.errors import UserError
 from stages.ppo.config import PPOConfig
 
 
 def rule_reward(spec: str):
     """The rule reward as a function (prompt, response, answer) -> float."""
-    if spec == "verifier":
-        from stages.common.tasks import verify
+    from stages.common.tasks import load_function, verify
 
+    if spec == "verifier":
         return lambda prompt, response, answer: float(verify(response, answer))
-    module, name = spec.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise UserError(f"stages.ppo.rewards.rule: cannot load {spec!r} ({exc}); give 'verifier' or an importable "
-                        "'module:function'") from None
-    return fn
+    return load_function(spec, "stages.ppo.rewards.rule", "'verifier' or an importable 'module:function'")
 
 
 class RunningMoments:
