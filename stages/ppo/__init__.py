@@ -334,6 +334,7 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     response (k1 summed over the response, from the engines' and the reference's log-probs of the
     sampled tokens). Logged as heldout_* at step `it` and kept in `trend['curve']` (checkpointed)."""
     import ray
+    import torch
 
     from stages.ppo import rl
     from stages.ppo.scoring import generate, score
@@ -353,8 +354,6 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     scores, _, raw = score(texts, reps, s.role("reward"), cfg, s.rule, moments=s.moments)
     mask = batch["response_mask"]
     policy_lp = rl.pad_rows([x["logprobs"] for x in flat], mask.shape[1])
-    import torch
-
     ref_lp = torch.cat(ray.get(ref_refs))
     kl = float(((policy_lp - ref_lp) * mask).sum(1).mean())
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
