@@ -157,25 +157,24 @@ class RewardScorer:
 
     def __init__(self, reward_dir: str, prompt_field: str):
         import torch
-        from transformers import AutoModelForSequenceClassification
 
-        from stages.common.models import SAFE_LOAD, load_tokenizer
+        from stages.common.models import load_model, load_tokenizer, saved_heads
 
         torch.set_num_threads(1)
         self.tok = load_tokenizer(reward_dir)
-        self.model = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, **SAFE_LOAD).eval()
+        self.model = load_model(reward_dir, "sequence", self.tok.pad_token_id, saved_heads(reward_dir)).eval()
         self.prompt_field = prompt_field
 
     def __call__(self, batch):
-        from stages.common.training import reward_scores
+        from stages.common.training import ensemble_score, reward_scores
 
         rewards: list[float | None] = [None] * len(batch)
         prompts, completions = list(batch[self.prompt_field]), list(batch["completion"])
         todo = [i for i, e in enumerate(batch["error"]) if not e]
         if todo:
             pairs = [(prompts[i], completions[i]) for i in todo]
-            for i, s in zip(todo, reward_scores(self.model, self.tok, pairs, micro=len(pairs))):
-                rewards[i] = s
+            for i, heads in zip(todo, reward_scores(self.model, self.tok, pairs, micro=len(pairs))):
+                rewards[i] = ensemble_score(heads)  # an ensemble's mean
         batch["reward"] = rewards
         return batch
 

@@ -6,7 +6,12 @@ because what it computes differs. The model is a sequence classifier with one ou
 (`AutoModelForSequenceClassification`, `num_labels=1`) initialised from the SFT model by default;
 chosen and rejected answers go through one forward pass and the loss is
 `-log sigmoid(r_chosen - r_rejected)`. Evaluation: pairwise accuracy (share of held-out pairs
-with r_chosen > r_rejected) and mean margin. With a gold preference (`task.preference.gold`), the
+with r_chosen > r_rejected) and mean margin. With `heads: K` the classifier has K outputs, each a
+reward model of its own trained on a bootstrap resample of the pairs (`bootstrap_weights`), and
+evaluation reads their mean; PPO combines them conservatively (`training.ensemble_score`). Heads on
+one backbone rather than K separate models: K times cheaper, and the disagreement that matters
+(on answers unlike the training data) shows up in the heads too (Zhang et al. 2024, "Improving
+Reinforcement Learning from Human Feedback with Efficient Reward Model Ensemble"). With a gold preference (`task.preference.gold`), the
 held-out pairs are also re-labelled by the gold function and `eval_accuracy_gold` reported beside
 `eval_accuracy`, which is against the data's (noisy) labels: a reward model that learned the
 preference rather than the noise scores higher against gold than against its own labels.
@@ -42,6 +47,11 @@ class RewardConfig(TrainingConfig):
     """The reward stage: the shared training fields plus where the model starts."""
 
     init_from: Literal["sft", "base"] = Field("sft", description="Initialise from the SFT model or the base model.")
+    heads: int = Field(1, ge=1, le=16, description="Score heads on the one backbone: an ensemble of reward models "
+                       "for the cost of one. Each head starts from its own random init and trains on its own "
+                       "bootstrap resample of the pairs (each pair weighted Poisson(1) per head); the reported "
+                       "accuracy is the heads' mean's. PPO combines them by `stages.ppo.rewards.ensemble` (mean, "
+                       "min, or mean - k std), the standard guard against over-optimising one reward model.")
     lm_loss_weight: float = Field(
         0.0, ge=0, description="Weight of a language-modelling loss on the chosen answers added to the Bradley-Terry "
         "loss (0: pure Bradley-Terry). It keeps the model's knowledge of good answers while the score head learns; "
@@ -58,11 +68,36 @@ class RewardConfig(TrainingConfig):
 # --------------------------------------------------------------------------- pure helpers
 
 
-def bradley_terry_loss(r_chosen, r_rejected):
-    """Mean of -log sigmoid(r_chosen - r_rejected): the pair's log-likelihood under Bradley-Terry."""
+def bradley_terry_loss(r_chosen, r_rejected, weights=None):
+    """Mean of -log sigmoid(r_chosen - r_rejected): the pair's log-likelihood under Bradley-Terry.
+
+    Scores (B,) or (B, K) for K heads; `weights` (the shape of the scores) makes it each head's
+    weighted mean over its bootstrap resample, summed over heads and divided by the total weight."""
     import torch.nn.functional as F
 
-    return -F.logsigmoid(r_chosen - r_rejected).mean()
+    nll = -F.logsigmoid(r_chosen - r_rejected)
+    if weights is None:
+        return nll.mean()
+    return (nll * weights).sum() / weights.sum().clamp(min=1.0)
+
+
+def pair_key(chosen_ids, rejected_ids) -> int:
+    """A stable integer naming a pair by its tokens (the same on every rank, epoch and resume)."""
+    import zlib
+
+    return zlib.crc32(repr((list(chosen_ids), list(rejected_ids))).encode())
+
+
+def bootstrap_weights(keys: list[int], heads: int, seed: int) -> list[list[float]]:
+    """Per pair and head, the pair's weight in that head's bootstrap resample: Poisson(1) draws (the
+    online bootstrap of Oza & Russell 2001), fixed by the pair's key, the head and the seed, so a
+    head sees the same resample in every epoch and after a resume. One head: every weight 1 (no
+    resampling: one reward model is trained on all the data)."""
+    import numpy as np
+
+    if heads == 1:
+        return [[1.0] for _ in keys]
+    return [[float(np.random.default_rng([seed, key, h]).poisson(1.0)) for h in range(heads)] for key in keys]
 
 
 def collate(batch: dict, pad_id: int) -> dict:
@@ -75,7 +110,8 @@ def collate(batch: dict, pad_id: int) -> dict:
     input_ids, attention = pad([*batch["chosen_input_ids"], *batch["rejected_input_ids"]], pad_id)
     masks = [*batch["chosen_loss_mask"], *[[0] * len(ids) for ids in batch["rejected_input_ids"]]]
     lm_mask, _ = pad(masks, 0)
-    return {"input_ids": input_ids, "attention_mask": attention, "lm_mask": lm_mask}
+    keys = [pair_key(c, r) for c, r in zip(batch["chosen_input_ids"], batch["rejected_input_ids"])]
+    return {"input_ids": input_ids, "attention_mask": attention, "lm_mask": lm_mask, "pair_key": keys}
 
 
 def lm_loss(hidden, head_weight, input_ids, mask):
@@ -116,7 +152,8 @@ def collate_eval(batch: dict, pad_id: int, gold_spec: str | None) -> dict:
 
 
 def _rewards(engine, batch):
-    r = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
+    """(chosen, rejected) scores, (B, K): a column per head."""
+    r = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     half = r.shape[0] // 2
     return r[:half], r[half:]
 
@@ -161,7 +198,7 @@ def _evaluate(engine, batches) -> dict[str, float]:
     correct = margin = loss = n = gold_correct = gold_n = 0.0
     with torch.no_grad():
         for batch in batches:
-            rc, rr = _rewards(engine, batch)
+            rc, rr = (r.mean(-1) for r in _rewards(engine, batch))  # an ensemble is judged by its mean
             correct += float((rc > rr).sum())
             margin += float((rc - rr).sum())
             loss += float(bradley_terry_loss(rc, rr)) * len(rc)
@@ -187,7 +224,7 @@ def train_loop(c: dict) -> None:
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
     init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
-    model = models.load_model(init, "sequence", c["pad_id"])
+    model = models.load_model(init, "sequence", c["pad_id"], cfg.heads)
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.lora:  # an adapter on the backbone; the score head trains in full
@@ -222,7 +259,8 @@ def train_loop(c: dict) -> None:
                 break
             t0 = time.time()
             rc, rr = _rewards(engine, batch)
-            loss = bt = bradley_terry_loss(rc, rr)
+            weights = torch.tensor(bootstrap_weights(batch["pair_key"], cfg.heads, c["seed"]))
+            loss = bt = bradley_terry_loss(rc, rr, weights)
             if head is not None:
                 lm = lm_loss(captured.pop("hidden"), head, batch["input_ids"], batch["lm_mask"])
                 loss = bt + cfg.lm_loss_weight * lm
@@ -233,7 +271,7 @@ def train_loop(c: dict) -> None:
             if engine.global_steps == before:
                 continue
             step = engine.global_steps
-            metrics = {"train_loss": bt.item(), "train_accuracy": float((rc > rr).float().mean()),
+            metrics = {"train_loss": bt.item(), "train_accuracy": float((rc.mean(-1) > rr.mean(-1)).float().mean()),
                        "lr": engine.get_lr()[0], "step_time_s": busy}
             if head is not None:
                 metrics["train_lm_loss"] = lm.item()
@@ -282,8 +320,9 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     ctx.log_dict(ds_config, "deepspeed_config.json")
     tok = load_tokenizer(init)
     ctx.ray()
+    heads = f", {cfg.heads} score heads on bootstrap resamples" if cfg.heads > 1 else ""
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
-                 f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from}{describe(cfg.lora)})")
+                 f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from}{describe(cfg.lora)}{heads})")
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
@@ -291,7 +330,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"
-    metrics = export(result, out, tok, init, "sequence")  # a LoRA adapter is merged into `init` here
+    metrics = export(result, out, tok, init, "sequence", cfg.heads)  # a LoRA adapter is merged into `init` here
     gold = f", against the gold labels {metrics['eval_accuracy_gold']:.3f}" if "eval_accuracy_gold" in metrics else ""
     ctx.progress(f"held-out pairwise accuracy {metrics.get('eval_accuracy', float('nan')):.3f}{gold}, "
                  f"mean margin {metrics.get('eval_margin', float('nan')):.3f}")

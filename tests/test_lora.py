@@ -12,12 +12,12 @@ from pipeline.errors import ConfigError
 from stages.common import lora, models
 
 
-def _tiny(kind: str):
+def _tiny(kind: str, heads: int = 1):
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, num_labels=1)
+                      num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, num_labels=heads)
     return LlamaForCausalLM(cfg) if kind == "causal" else LlamaForSequenceClassification(cfg)
 
 
@@ -46,21 +46,23 @@ def test_merged_weights_equal_peft_merge_and_leave_the_model_unchanged(kind):
         assert torch.equal(merged["score.weight"], model.base_model.model.score.modules_to_save["default"].weight)
 
 
-@pytest.mark.parametrize("kind", ["causal", "sequence"])
-def test_a_saved_adapter_merges_into_its_base_as_the_trained_model(tmp_path, kind):
-    model = _tiny(kind)
+@pytest.mark.parametrize("kind, heads", [("causal", 1), ("sequence", 1), ("sequence", 3)])
+def test_a_saved_adapter_merges_into_its_base_as_the_trained_model(tmp_path, kind, heads):
+    """Heads 3: a reward-model ensemble (stages.reward.heads), its trained score rows merged too."""
+    model = _tiny(kind, heads)
     model.save_pretrained(tmp_path / "base")
     peft = _trained(model, kind)
     lora.save_adapter(peft, tmp_path / "adapter")
     assert (tmp_path / "adapter" / lora.SAFE_ADAPTER).is_file()
     files = {p.name for p in (tmp_path / "adapter").iterdir()}
     assert not files & {"model.safetensors", *lora.PICKLED_ADAPTERS}  # the adapter only, as safetensors
-    out = lora.merge_into(tmp_path / "base", tmp_path / "adapter", kind, tmp_path / "merged", pad_id=0)
+    out = lora.merge_into(tmp_path / "base", tmp_path / "adapter", kind, tmp_path / "merged", pad_id=0,
+                          num_labels=heads)
     x = torch.randint(1, 300, (2, 7))
     with torch.no_grad():
-        torch.testing.assert_close(models.load_model(out, kind)(input_ids=x).logits, peft(input_ids=x).logits,
-                                   rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(models.load_model(tmp_path / "base", kind)(input_ids=x).logits,
+        merged = models.load_model(out, kind, 0, models.saved_heads(out))(input_ids=x).logits
+        torch.testing.assert_close(merged, peft(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(models.load_model(tmp_path / "base", kind, 0, heads)(input_ids=x).logits,
                                   peft(input_ids=x).logits)
 
 

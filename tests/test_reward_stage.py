@@ -46,9 +46,11 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained):
     tok = load_tokenizer(out)
     pairs = [("What is 2 + 3?", "2 + 3 = 5"), ("What is 2 + 3?", "no"), ("What is 12 + 31?", "12 + 31 = 43, since 2 + 1 = 3"),
              ("What is 4 + 4?", "8")]
-    scores = reward_scores(model, tok, pairs, 2)  # scored in length order, returned in the callers' order
-    assert len(scores) == 4 and all(torch.isfinite(torch.tensor(scores)))
-    alone = [reward_scores(model, tok, [p], 1)[0] for p in pairs]
+    heads = reward_scores(model, tok, pairs, 2)  # scored in length order, returned in the callers' order
+    assert [len(h) for h in heads] == [1] * 4  # one score head
+    scores = [h[0] for h in heads]
+    assert all(torch.isfinite(torch.tensor(scores)))
+    alone = [reward_scores(model, tok, [p], 1)[0][0] for p in pairs]
     assert torch.allclose(torch.tensor(scores), torch.tensor(alone), atol=1e-4), (scores, alone)
 
 

@@ -116,8 +116,10 @@ def load_adapter(model, directory: Path) -> None:
     set_peft_model_state_dict(model, load_file(str(directory / SAFE_ADAPTER)))
 
 
-def merge_into(base_dir: str | Path, adapter_dir: Path, kind: str, out: Path, pad_id: int | None = None) -> Path:
-    """Base + adapter merged into one ordinary HF model at `out` (safetensors)."""
+def merge_into(base_dir: str | Path, adapter_dir: Path, kind: str, out: Path, pad_id: int | None = None,
+               num_labels: int = 1) -> Path:
+    """Base + adapter merged into one ordinary HF model at `out` (safetensors); `num_labels` is a sequence
+    classifier's outputs (the adapter's trained score head has that many rows)."""
     from peft import PeftModel
 
     problem = adapter_problem(adapter_dir)
@@ -125,7 +127,8 @@ def merge_into(base_dir: str | Path, adapter_dir: Path, kind: str, out: Path, pa
         raise ValueError(problem)
     from stages.common.models import load_model
 
-    model = PeftModel.from_pretrained(load_model(base_dir, kind, pad_id), str(adapter_dir), is_trainable=False)
+    model = PeftModel.from_pretrained(load_model(base_dir, kind, pad_id, num_labels), str(adapter_dir),
+                                      is_trainable=False)
     model.merge_and_unload().save_pretrained(out, safe_serialization=True)
     return out
 

@@ -295,20 +295,47 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def load_model(model_dir: str | Path, kind: str, pad_id: int | None = None):
-    """A local HF model in float32 (safetensors only) as `kind`: 'causal', or 'sequence' (a
-    one-output classifier, reading the last token that is not `pad_id`). Every training role
-    loads through here, so they all read checkpoints the same way."""
+def load_model(model_dir: str | Path, kind: str, pad_id: int | None = None, num_labels: int = 1):
+    """A local HF model in float32 (safetensors only) as `kind`: 'causal', or a sequence classifier
+    with `num_labels` outputs (a reward model's score heads, `saved_heads`), reading the last token
+    that is not `pad_id`. Every training role loads through here, so they all read checkpoints the
+    same way."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if kind == "causal":
         return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **SAFE_LOAD)
-    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=1, dtype=torch.float32,
-                                                               **SAFE_LOAD)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), num_labels=num_labels,
+                                                               dtype=torch.float32, **SAFE_LOAD)
     if pad_id is not None:
         model.config.pad_token_id = pad_id
     return model
+
+
+def saved_heads(model_dir: str | Path) -> int:
+    """Score heads of a saved reward model (`stages.reward.heads`): its `num_labels`. A checkpoint that is
+    not a sequence classifier (a causal LM a critic or reward model starts from) counts as one head:
+    HF's config default of 2 labels describes no trained head."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if not any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return 1
+    return len(config.get("id2label") or {}) or 2  # HF leaves its default (two labels) out of config.json
+
+
+def single_head(model) -> None:
+    """Replace a sequence classifier's K score heads by one, their mean (in place): a critic that starts
+    from an ensemble reward model predicts one value, and starts from the ensemble's mean score."""
+    import torch
+
+    old = model.score
+    head = torch.nn.Linear(old.in_features, 1, bias=old.bias is not None, dtype=old.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(old.weight.mean(0, keepdim=True))
+        if old.bias is not None:
+            head.bias.copy_(old.bias.mean(0, keepdim=True))
+    model.score, model.num_labels, model.config.num_labels = head, 1, 1
 
 
 def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,

@@ -90,8 +90,10 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
     return trainer.fit()
 
 
-def export(result, out: Path, tokenizer, base: Path | None = None, kind: str = "causal") -> dict[str, float]:
+def export(result, out: Path, tokenizer, base: Path | None = None, kind: str = "causal",
+           num_labels: int = 1) -> dict[str, float]:
     """The final checkpoint's model (+ tokenizer) as an HF directory at `out`; return the final metrics.
+    `num_labels`: a sequence classifier's outputs (a reward model's heads).
 
     A LoRA checkpoint holds the adapter only: it is merged into `base` here (`lora.merge_into`), and
     kept beside the model (`out.parent / "adapter"`) for base + adapter serving."""
@@ -102,7 +104,7 @@ def export(result, out: Path, tokenizer, base: Path | None = None, kind: str = "
     with result.checkpoint.as_directory() as d:
         adapter = Path(d) / lora.ADAPTER_DIR
         if adapter.is_dir():
-            lora.merge_into(base, adapter, kind, out, tokenizer.pad_token_id)
+            lora.merge_into(base, adapter, kind, out, tokenizer.pad_token_id, num_labels)
             shutil.copytree(adapter, out.parent / lora.ADAPTER_DIR)
             tokenizer.save_pretrained(out.parent / lora.ADAPTER_DIR)
         else:
@@ -190,10 +192,11 @@ def rank_batches(dataset, micro: int, rank: int, world: int, collate_fn: Callabl
             yield collate_fn(mine)
 
 
-def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[float]:
-    """A reward model's score of each (prompt, response), formatted as in its training data (one
-    chat turn each, the data stage's template); `model` is an HF sequence classifier or a DeepSpeed
-    engine around one. Used by PPO's reward role and by batch inference."""
+def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[list[float]]:
+    """A reward model's scores of each (prompt, response), formatted as in its training data (one
+    chat turn each, the data stage's template): one list per pair with a score per head (one
+    without `stages.reward.heads`; `ensemble_score` combines them). `model` is an HF sequence
+    classifier or a DeepSpeed engine around one. Used by PPO's reward role and by batch inference."""
     import torch
 
     texts = [tok.apply_chat_template([{"role": "user", "content": str(p)}, {"role": "assistant", "content": str(r)}],
@@ -202,14 +205,38 @@ def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[
     # Micro-batches of similar lengths: padding is compute thrown away (a quarter of it on mixed-length
     # answers); the scores go back in the callers' order.
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    out = [0.0] * len(ids)
+    out: list[list[float]] = [[] for _ in ids]
     with torch.no_grad():
         for i in range(0, len(order), micro):
             part = order[i : i + micro]
             input_ids, attn = pad([ids[j] for j in part], tok.pad_token_id)
-            for j, v in zip(part, model(input_ids=input_ids, attention_mask=attn).logits.squeeze(-1).float().tolist()):
+            for j, v in zip(part, model(input_ids=input_ids, attention_mask=attn).logits.float().tolist()):
                 out[j] = v
     return out
+
+
+def ensemble_score(heads: list[float], how: str = "mean", coef: float = 1.0) -> float:
+    """One reward from an ensemble's scores of a response (`stages.ppo.rewards.ensemble`): their `mean`,
+    their `min` (worst-case optimisation), or `lcb`, mean - coef * std (uncertainty-weighted
+    optimisation; std over heads, population form). Coste et al. 2023 ("Reward Model Ensembles Help
+    Mitigate Overoptimization") found the conservative two keep the gold reward up longer: where the
+    policy drifts off the data the heads disagree, and disagreement is what they penalise. One head:
+    its score, whatever `how`."""
+    n = len(heads)
+    mean = sum(heads) / n
+    if how == "mean" or n == 1:
+        return mean
+    if how == "min":
+        return min(heads)
+    if how == "lcb":
+        return mean - coef * head_spread(heads)
+    raise ValueError(f"ensemble: unknown combination {how!r} (mean, min or lcb)")
+
+
+def head_spread(heads: list[float]) -> float:
+    """Population std of an ensemble's scores of one response: how much its heads disagree."""
+    mean = sum(heads) / len(heads)
+    return (sum((h - mean) ** 2 for h in heads) / len(heads)) ** 0.5
 
 
 # Splits up to this many bytes of Parquet are read by each worker with pyarrow (`ParquetSplit`).

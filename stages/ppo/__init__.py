@@ -351,14 +351,15 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     texts = s.tok.batch_decode([x["ids"] for x in flat], skip_special_tokens=True)
     batch = rl.make_batch([r["prompt_ids"] for r in reps], [x["ids"] for x in flat], s.tok.pad_token_id)
     ref_refs = ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=cfg.micro_batch_size)
-    scores, _, raw = score(texts, reps, s.role("reward"), cfg, s.rule, moments=s.moments)
+    scores, _, raw, spread = score(texts, reps, s.role("reward"), cfg, s.rule, moments=s.moments)
     mask = batch["response_mask"]
     policy_lp = rl.pad_rows([x["logprobs"] for x in flat], mask.shape[1])
     ref_lp = torch.cat(ray.get(ref_refs))
     kl = float(((policy_lp - ref_lp) * mask).sum(1).mean())
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     point = {"iteration": it, "kl": kl, "reward": mean(scores), "proxy": mean(raw) if raw else None,
-             "gold": mean([float(s.gold(r["prompt"], t)) for t, r in zip(texts, reps)]) if s.gold else None}
+             "gold": mean([float(s.gold(r["prompt"], t)) for t, r in zip(texts, reps)]) if s.gold else None,
+             "rm_spread": mean(spread) if spread else None}
     trend["curve"].append(point)
     ctx.log_metrics({f"heldout_{k}": v for k, v in point.items() if k != "iteration" and v is not None}, step=it)
     ctx.progress(f"held-out curve at iteration {it}: kl {kl:.3f}, reward {point['reward']:.3f}"
@@ -490,7 +491,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
             old_refs = policy.run_each("logprobs", shards, micro=micro) if own else []
             value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
-            scores, rule_scores, rm_scores = score(texts, rows, reward, cfg, s.rule, rm_refs, s.moments, update=True)
+            scores, rule_scores, rm_scores, rm_spread = score(texts, rows, reward, cfg, s.rule, rm_refs, s.moments,
+                                                              update=True)
             mask, score_t = batch["response_mask"], torch.tensor(scores)
             rollout_lp = rl.pad_rows(rollout_lp, mask.shape[1])
             ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
@@ -535,6 +537,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
                 "gen_tokens_per_s": gen_tokens / max(gen_span, 1e-9), "iteration_s": time.time() - t_iter,
                 "engine_restarts": pool.restarts, **mismatch, **({"startup_s": startup_s} if it == start else {}),
                 **({"rm_score_mean": sum(rm_scores) / len(rm_scores)} if rm_scores else {}),
+                **({"rm_spread_mean": sum(rm_spread) / len(rm_spread)} if rm_spread else {}),  # heads' disagreement
                 **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(texts, rows)) / len(rows)} if s.gold else {}),
             }
             ctx.log_metrics(metrics, step=it + 1)

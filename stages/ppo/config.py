@@ -138,6 +138,14 @@ class RewardMix(Section):
     clip: float | None = Field(None, gt=0, description="Clip the reward model's (normalised, if normalize) scores "
                                "to [-clip, clip]: the policy gains nothing by pushing the proxy past it, a standard "
                                "guard against reward over-optimisation (empty: no clipping).")
+    ensemble: Literal["mean", "min", "lcb"] = Field("mean", description="How the heads of a reward model trained "
+                                                    "with stages.reward.heads > 1 make one score: their mean, their "
+                                                    "min (worst case), or lcb, mean - ensemble_coef x their std "
+                                                    "(uncertainty-weighted). The conservative two penalise answers "
+                                                    "the heads disagree on, which is where the policy has drifted "
+                                                    "from the preference data (one head: its score).")
+    ensemble_coef: float = Field(1.0, ge=0, description="lcb: how many of the heads' standard deviations to take "
+                                 "off their mean.")
 
     @field_validator("rule")
     @classmethod

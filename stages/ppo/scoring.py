@@ -74,24 +74,31 @@ def request_model_scores(texts: list[str], rows: list[dict], reward_group, cfg: 
 
 
 def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule, model_refs: list | None = None,
-          moments: RunningMoments | None = None, update: bool = False) -> tuple[list[float], list[float], list[float]]:
-    """(mixed score, verifier-style rule reward, the reward model's raw score or [] without one) per
-    response; `model_refs` from `request_model_scores` if the reward model was started already. With
-    `rewards.normalize`, `moments` standardises the model's scores (`update`: first fold these scores in,
-    as the training loop does)."""
+          moments: RunningMoments | None = None, update: bool = False
+          ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(mixed score, verifier-style rule reward, the reward model's raw score, and its heads' spread) per
+    response; the last two are [] without a reward model, the spread [] with one head. An ensemble's heads
+    make one raw score by `rewards.ensemble`. `model_refs` from `request_model_scores` if the reward model
+    was started already. With `rewards.normalize`, `moments` standardises the model's scores (`update`:
+    first fold these scores in, as the training loop does)."""
     import ray
+
+    from stages.common.training import ensemble_score, head_spread
 
     rule_scores = [float(rule(r["prompt"], t, r.get("answer") or "")) for t, r in zip(texts, rows)]
     scores = [cfg.rewards.rule_weight * s for s in rule_scores]
     raw: list[float] = []
+    spread: list[float] = []
     if reward_group is not None:
         parts = ray.get(model_refs or request_model_scores(texts, rows, reward_group, cfg))
-        raw = [x for p in parts for x in p]
+        heads = [h for p in parts for h in p]
+        raw = [ensemble_score(h, cfg.rewards.ensemble, cfg.rewards.ensemble_coef) for h in heads]
+        spread = [head_spread(h) for h in heads] if heads and len(heads[0]) > 1 else []
         if moments is not None and update:
             moments.update(raw)
         shaped = shape_model_scores(raw, moments, cfg.rewards.clip)
         scores = [s + cfg.rewards.model_weight * m for s, m in zip(scores, shaped)]
-    return scores, rule_scores, raw
+    return scores, rule_scores, raw, spread
 
 
 def generate(pool, rows: list[dict], sampling: dict) -> list[dict]:
@@ -122,7 +129,7 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
         flat = generate(pool, rows, sampling)
         texts = tok.batch_decode([s["ids"] for s in flat], skip_special_tokens=True)
         reps = [r for r in rows for _ in range(k)]
-        scores, correct, _ = score(texts, reps, reward_group, cfg, rule, moments=moments)
+        scores, correct, *_ = score(texts, reps, reward_group, cfg, rule, moments=moments)
         cut = [float(not s["finished"]) for s in flat]  # stopped by max_new_tokens, not by the model
         per = lambda xs: [xs[i * k:(i + 1) * k] for i in range(len(rows))]  # noqa: E731
         mean = lambda xs: [sum(p) / k for p in per(xs)]  # noqa: E731

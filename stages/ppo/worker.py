@@ -10,7 +10,7 @@ wrapped without one, so ZeRO-3 still shards them), and answers:
     logprobs(batch)          policy / reference: log p of each response token
     ref_logprobs(batch)      policy: the reference's log-probs (its adapter off, or the colocated copy)
     values(batch)            critic: V(s) before each response token
-    scores(pairs)            reward model: one scalar per (prompt, response)
+    scores(pairs)            reward model: a score per head for each (prompt, response)
     train_policy / train_critic   PPO epochs over this rank's share of the rollouts
     export_weights()         full weights into the object store once (rank 0 returns the ref)
     save / load              DeepSpeed checkpoints (optimizer included) for resuming
@@ -71,14 +71,17 @@ class PPOWorker(Workhorse):
         import torch
 
         from stages.common import lora
-        from stages.common.models import count_parameters, load_model, load_tokenizer
+        from stages.common.models import count_parameters, load_model, load_tokenizer, saved_heads, single_head
 
         torch.manual_seed(spec["seed"] + self.rank)
         self.storage = spec["storage"]
         spec = {**spec, "model_dir": str(self.storage.localize(spec["model_dir"]))}  # pulled if this node lacks it
         self.spec, self.kind = spec, spec["kind"]
         self.generator = torch.Generator().manual_seed(spec["seed"] * 1000 + self.rank)
-        model = load_model(spec["model_dir"], self.kind, None if self.kind == "causal" else spec["pad_id"])
+        heads = 1 if self.kind == "causal" else saved_heads(spec["model_dir"])
+        model = load_model(spec["model_dir"], self.kind, None if self.kind == "causal" else spec["pad_id"], heads)
+        if self.kind == "value" and heads > 1:  # a critic from an ensemble reward model: one value head
+            single_head(model)
         if spec.get("zero_head"):  # critic: values start at 0, not at the reward model's logit scale
             torch.nn.init.zeros_(model.score.weight)
         if spec.get("activation_checkpointing"):
@@ -164,8 +167,8 @@ class PPOWorker(Workhorse):
         with torch.no_grad():
             return torch.cat([self._values(b) for b in _chunks(batch, micro)])
 
-    def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[float]:
-        """Reward-model score of each (prompt, response), formatted as in its training data."""
+    def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[list[float]]:
+        """Reward-model scores of each (prompt, response), formatted as in its training data: one per head."""
         from stages.common.training import reward_scores
 
         return reward_scores(self.engine, self.tokenizer, pairs, micro)
