@@ -47,7 +47,8 @@ class ScoreConfig(Section):
 
     verifier: bool = Field(True, description="Check each completion's final integer against the row's answer "
                            "(the task verifier); rows without an answer are not scored.")
-    reward_model: bool = Field(False, description="Score each (prompt, completion) with the pipeline's reward model.")
+    reward_model: bool = Field(False, description="Score each (prompt, completion) with the pipeline's reward model "
+                               "(an ensemble, stages.reward.heads > 1: the heads' mean).")
 
 
 class BatchInferConfig(Section):

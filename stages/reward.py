@@ -2,8 +2,9 @@
 
 Same runtime shape as `stages.sft` (Ray Train V2 `TorchTrainer`, DeepSpeed ZeRO from YAML, Ray
 Data shards, checkpoints that resume): the loop is repeated here rather than shared through hooks,
-because what it computes differs. The model is a sequence classifier with one output
-(`AutoModelForSequenceClassification`, `num_labels=1`) initialised from the SFT model by default;
+because what it computes differs. The model is a sequence classifier with one output per score
+head (`AutoModelForSequenceClassification`, `num_labels=heads`, 1 by default) initialised from the
+SFT model by default;
 chosen and rejected answers go through one forward pass and the loss is
 `-log sigmoid(r_chosen - r_rejected)`. Evaluation: pairwise accuracy (share of held-out pairs
 with r_chosen > r_rejected) and mean margin. With `heads: K` the classifier has K outputs, each a
@@ -71,8 +72,8 @@ class RewardConfig(TrainingConfig):
 def bradley_terry_loss(r_chosen, r_rejected, weights=None):
     """Mean of -log sigmoid(r_chosen - r_rejected): the pair's log-likelihood under Bradley-Terry.
 
-    Scores (B,) or (B, K) for K heads; `weights` (the shape of the scores) makes it each head's
-    weighted mean over its bootstrap resample, summed over heads and divided by the total weight."""
+    Scores (B,) or (B, K) for K heads; with `weights` (the shape of the scores: each head's bootstrap
+    weights) it is the weighted mean over every (pair, head), sum(w * nll) / sum(w)."""
     import torch.nn.functional as F
 
     nll = -F.logsigmoid(r_chosen - r_rejected)
@@ -85,7 +86,8 @@ def pair_key(chosen_ids, rejected_ids) -> int:
     """A stable integer naming a pair by its tokens (the same on every rank, epoch and resume)."""
     import zlib
 
-    return zlib.crc32(repr((list(chosen_ids), list(rejected_ids))).encode())
+    # ints first: the batches hold numpy arrays, whose repr differs by dtype and numpy version
+    return zlib.crc32(repr(([int(x) for x in chosen_ids], [int(x) for x in rejected_ids])).encode())
 
 
 def bootstrap_weights(keys: list[int], heads: int, seed: int) -> list[list[float]]:
@@ -259,7 +261,8 @@ def train_loop(c: dict) -> None:
                 break
             t0 = time.time()
             rc, rr = _rewards(engine, batch)
-            weights = torch.tensor(bootstrap_weights(batch["pair_key"], cfg.heads, c["seed"]))
+            weights = torch.tensor(bootstrap_weights(batch["pair_key"], cfg.heads, c["seed"]), dtype=rc.dtype,
+                                   device=rc.device)
             loss = bt = bradley_terry_loss(rc, rr, weights)
             if head is not None:
                 lm = lm_loss(captured.pop("hidden"), head, batch["input_ids"], batch["lm_mask"])

@@ -2,7 +2,7 @@
 
 A role with a `lora:` section trains low-rank adapters on its linear layers instead of every
 weight; a sequence classifier (reward model, critic) also trains its score head in full (PEFT's
-`modules_to_save`: a one-output head has no low-rank form worth having). What each stage does with
+`modules_to_save`: a head of one output per score head has no low-rank form worth having). What each stage does with
 the adapter:
 
 - sft / reward: checkpoints hold the adapter only (PEFT's safetensors, `adapter/`) and DeepSpeed's
@@ -36,8 +36,8 @@ PICKLED_ADAPTERS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth"
 
 
 def wrap(model, lora: LoraSection, kind: str, activation_checkpointing: bool = False):
-    """`model` with LoRA adapters (a PEFT model); `kind` 'causal' or 'sequence' (a one-output classifier,
-    whose score head trains in full)."""
+    """`model` with LoRA adapters (a PEFT model); `kind` 'causal' or 'sequence' (a classifier with an
+    output per score head, whose score head trains in full)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
     if activation_checkpointing:

@@ -326,7 +326,8 @@ def saved_heads(model_dir: str | Path) -> int:
 
 def single_head(model) -> None:
     """Replace a sequence classifier's K score heads by one, their mean (in place): a critic that starts
-    from an ensemble reward model predicts one value, and starts from the ensemble's mean score."""
+    from an ensemble reward model predicts one value (from the ensemble's mean score, unless
+    `critic_zero_init` then zeroes it)."""
     import torch
 
     old = model.score

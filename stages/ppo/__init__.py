@@ -144,7 +144,7 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     from stages.common.deepspeed import use_gpu
     from stages.common.lora import describe
     from stages.common.engines import EnginePool, EngineSpec
-    from stages.common.models import load_tokenizer
+    from stages.common.models import load_tokenizer, saved_heads
     from stages.ppo.scoring import rule_reward
 
     sft, rm_dir, data = ctx.inputs["sft_model"], ctx.inputs["reward_model"], ctx.inputs["prompt_data"]
@@ -177,6 +177,10 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     ctx.progress(f"starting {cfg.rollout.num_engines} vLLM engines and the roles (policy x{cfg.policy.num_ranks}"
                  f"{describe(cfg.policy.lora)}{critic_note}, {ref_note}"
                  f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''})")
+    heads = saved_heads(rm_dir) if cfg.rewards.model_weight else 1  # the driver holds its inputs
+    if heads > 1 or cfg.rewards.ensemble != "mean" and cfg.rewards.model_weight:
+        ctx.progress(f"reward model: {heads} score head(s), combined by {cfg.rewards.ensemble}"
+                     + ("" if heads > 1 else " (one head: nothing to combine; set stages.reward.heads)"))
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.sampling.max_new_tokens
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,

@@ -81,6 +81,7 @@ class PPOWorker(Workhorse):
         heads = 1 if self.kind == "causal" else saved_heads(spec["model_dir"])
         model = load_model(spec["model_dir"], self.kind, None if self.kind == "causal" else spec["pad_id"], heads)
         if self.kind == "value" and heads > 1:  # a critic from an ensemble reward model: one value head
+            # (the heads' mean; zeroed just below under critic_zero_init, the default, keeping the backbone)
             single_head(model)
         if spec.get("zero_head"):  # critic: values start at 0, not at the reward model's logit scale
             torch.nn.init.zeros_(model.score.weight)
