@@ -10,7 +10,7 @@ from pipeline.config import PipelineConfig, load_config, reference, subsection
 from pipeline.errors import ConfigError
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.run_dir.is_absolute()
