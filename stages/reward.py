@@ -10,9 +10,10 @@ chosen and rejected answers go through one forward pass and the loss is
 with r_chosen > r_rejected) and mean margin. With `heads: K` the classifier has K outputs, each a
 reward model of its own trained on a bootstrap resample of the pairs (`bootstrap_weights`), and
 evaluation reads their mean; PPO combines them conservatively (`training.ensemble_score`). Heads on
-one backbone rather than K separate models: K times cheaper, and the disagreement that matters
-(on answers unlike the training data) shows up in the heads too (Zhang et al. 2024, "Improving
-Reinforcement Learning from Human Feedback with Efficient Reward Model Ensemble"). With a gold preference (`task.preference.gold`), the
+one backbone rather than K separate models: K times cheaper (Zhang et al. 2024, "Improving
+Reinforcement Learning from Human Feedback with Efficient Reward Model Ensemble"). The price: heads
+share every feature, and on the gold task their spread fell as the policy drifted (bench/RESULTS.md,
+2026-11-28), so they guard less than separately trained models would. With a gold preference (`task.preference.gold`), the
 held-out pairs are also re-labelled by the gold function and `eval_accuracy_gold` reported beside
 `eval_accuracy`, which is against the data's (noisy) labels: a reward model that learned the
 preference rather than the noise scores higher against gold than against its own labels.
