@@ -25,6 +25,8 @@ bench: setup
 	$(PY) bench/train_bench.py
 	$(PY) bench/rollout_bench.py
 
-# Does RL make the embedded default better? Seeds 0-2, PPO and GRPO: about an hour on 2 cores.
+# Does RL on the verifier make the embedded model better? Seeds 0-2, PPO and GRPO: about an hour on 2 cores.
+# Does the default's RLHF raise the gold preference and keep correctness? Seeds 0-2, PPO: about 30 minutes.
 bench-learning: setup
 	$(PY) bench/learning.py --seeds 0 1 2 --algorithms ppo grpo --fresh --json bench/learning.json
+	$(PY) bench/rlhf.py --config configs/full.yaml --seeds 0 1 2 --algorithms ppo --json bench/rlhf_mix.json

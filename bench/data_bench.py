@@ -67,7 +67,7 @@ def main() -> None:
     n_sft, n_pref, n_prompts = args.rows, args.rows // 2, args.rows // 4
     overrides = [f"run_dir={run_dir}", f"stages.data.generate.sft={n_sft}",
                  f"stages.data.generate.preference={n_pref}", f"stages.data.generate.prompts={n_prompts}"]
-    cmd = [sys.executable, "-m", "pipeline", "run", "configs/full.yaml", "--to", "data", *overrides]
+    cmd = [sys.executable, "-m", "pipeline", "run", "configs/recipes/verifier.yaml", "--to", "data", *overrides]
 
     t0 = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
@@ -83,7 +83,7 @@ def main() -> None:
     from pipeline.config import load_config
     from stages.common import tasks
 
-    cfg = load_config(ROOT / "configs" / "full.yaml", overrides)
+    cfg = load_config(ROOT / "configs" / "recipes" / "verifier.yaml", overrides)
     rows = {"sft": tasks.sft_rows(n_sft, cfg.seed, cfg.task), "preference": tasks.preference_rows(n_pref, cfg.seed, cfg.task),
             "prompts": tasks.prompt_rows(n_prompts, cfg.seed, cfg.task)}
     tokenizer = next((run_dir / "artifacts" / "model").glob("*/model"))

@@ -1,6 +1,10 @@
-"""Does RL reliably make the model better? The embedded default, per seed and algorithm.
+"""Does RL reliably make the model better on the verifier? The embedded task, per seed and algorithm.
 
-For each seed the whole default pipeline runs up to the RL stage (model, data, SFT and reward
+`--config` defaults to `configs/recipes/verifier.yaml` (RL on the verifier alone: the embedded default
+up to 2026-11-28, on which bench/RESULTS.md's learning tables were measured); `bench/rlhf.py` measures
+the RLHF path that `configs/full.yaml` now takes (the gold win-rate as well as the accuracy).
+
+For each seed the whole pipeline of `--config` runs up to the RL stage (model, data, SFT and reward
 model are shared by the algorithms of a seed, in one run directory per seed); then the RL stage
 once per algorithm, with only `stages.ppo.algorithm` changed. Every held-out prompt is scored
 before RL (the SFT policy) and after: greedy accuracy, and sampled accuracy (k samples per
@@ -124,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--algorithms", nargs="+", default=["ppo", "grpo"], choices=ALGORITHMS)
-    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "full.yaml")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "recipes" / "verifier.yaml")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-learning",
                     help="one run directory per seed is made under it")
     ap.add_argument("--fresh", action="store_true", help="delete each seed's run directory first")

@@ -1,6 +1,6 @@
 """What packing SFT conversations (`stages.data.pack`) costs and saves: padding and training tokens/s.
 
-    .venv/bin/python bench/packing_bench.py [--config configs/full.yaml] [--rows 4096] [--steps 30]
+    .venv/bin/python bench/packing_bench.py [--config configs/recipes/verifier.yaml] [--rows 4096] [--steps 30]
 
 Builds the config's built-in model and tokenizer, generates its task's SFT conversations and
 tokenizes, masks and truncates them as the data stage does (`Tokenize`), then packs them as the data
@@ -57,7 +57,7 @@ def micro_batches(rows: list[dict], micro: int, pad_id: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/full.yaml")
+    ap.add_argument("--config", default="configs/recipes/verifier.yaml")
     ap.add_argument("--rows", type=int, default=4096, help="generated conversations")
     ap.add_argument("--steps", type=int, default=30, help="measured micro-batches per mode (after 3 warm-up ones)")
     args = ap.parse_args()

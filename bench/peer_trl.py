@@ -1,16 +1,17 @@
 """The same GRPO job with this pipeline and with TRL's `GRPOTrainer`, side by side, in one invocation.
 
     .venv/bin/python bench/peer_trl.py --json bench/peer_trl.json
-    .venv/bin/python bench/peer_trl.py --sizes default            # the embedded default only (~5 min)
+    .venv/bin/python bench/peer_trl.py --sizes default            # the embedded model only (~5 min)
     .venv/bin/python bench/peer_trl.py --ours-set stages.ppo.rollout.async=false   # a lever off
 
 Per model size:
 
-1. Prepare (cached like any pipeline run, in `--run-dir/<size>`): `pipeline run configs/full.yaml
+1. Prepare (cached like any pipeline run, in `--run-dir/<size>`): `pipeline run configs/recipes/verifier.yaml
    --to reward` builds the model, the task data, the SFT model (and the reward model the ppo
    stage takes as an input; with `rewards.model_weight: 0` it is not loaded). `default` is the
-   embedded default as `make run` trains it; `30m` is a ~30M-parameter LLaMA of the same
-   family given a short SFT (`--sft-steps`).
+   embedded model as `configs/recipes/verifier.yaml` trains it (the default up to 2026-11-28, on
+   which bench/RESULTS.md's figures were measured; the job's reward is the verifier on both
+   sides); `30m` is a ~30M-parameter LLaMA of the same family given a short SFT (`--sft-steps`).
 2. Ours: `pipeline run ... --only ppo --force ppo` with `algorithm: grpo` and the job's settings
    (below), held-out evaluation off, in a subprocess.
 3. TRL: `GRPOTrainer` (HF `generate`, one process, 2 torch threads, as a user runs it on one
@@ -50,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-CONFIG = ROOT / "configs" / "full.yaml"
+CONFIG = ROOT / "configs" / "recipes" / "verifier.yaml"
 # ~30M parameters: 10 layers of hidden 512 (GQA, 4 KV heads), MLP 1536.
 SIZE_30M = ["model.builtin.hidden_size=512", "model.builtin.intermediate_size=1536", "model.builtin.num_layers=10",
             "model.builtin.num_heads=8", "model.builtin.num_kv_heads=4"]

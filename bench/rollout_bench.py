@@ -149,7 +149,7 @@ def iteration_split(args) -> dict[str, float]:
                  "stages.reward.max_steps=1", f"stages.ppo.iterations={args.iterations}",
                  "stages.ppo.eval_prompts=0", f"stages.ppo.checkpoint_every={args.iterations}",
                  "mlflow.experiment=bench"]
-    subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/full.yaml", *overrides], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/recipes/verifier.yaml", *overrides], cwd=ROOT, check=True,
                    capture_output=True)
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("bench")
@@ -230,7 +230,7 @@ Weight sync of {size / 2**20:.0f} MiB to {args.engines} engines (median of {args
     if split:
         share = split["sync_s"] / split["iteration_s"]
         out += f"""
-PPO iteration at this size (the ppo settings of configs/full.yaml; mean of iterations 2-{args.iterations}):
+PPO iteration at this size (the ppo settings of configs/recipes/verifier.yaml; mean of iterations 2-{args.iterations}):
 
 | generate s | score s | train s | sync s | iteration s | sync share | generation tokens/s |
 | --- | --- | --- | --- | --- | --- | --- |

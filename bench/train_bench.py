@@ -71,7 +71,7 @@ def main() -> None:
               "mlflow.experiment=bench"]
     results = {}
     for zero in (0, 2, 3):
-        cmd = [sys.executable, "-m", "pipeline", "run", "configs/full.yaml", "--to", "sft", *common,
+        cmd = [sys.executable, "-m", "pipeline", "run", "configs/recipes/verifier.yaml", "--to", "sft", *common,
                f"stages.sft.deepspeed.zero_stage={zero}"]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
         manifest = json.loads(max((run_dir / "artifacts/sft").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime).read_text())

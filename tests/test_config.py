@@ -16,6 +16,21 @@ def test_every_shipped_config_validates(path):
     assert cfg.run_dir.is_absolute()
 
 
+def test_default_takes_the_rlhf_path():
+    """`make run` is the RLHF the pipeline is named for: a gold preference labels the pairs (with human-like
+    noise) and judges RL; PPO's reward includes the learned reward model (so the reward role is started),
+    mixed with the verifier as bench/rlhf_mix.json chose; the verifier-only default lives on as a recipe."""
+    cfg = load_config(ROOT / "configs" / "full.yaml")
+    assert cfg.task.preference.gold == "explained" and 0.1 <= cfg.task.preference.noise <= 0.2
+    ppo = cfg.stages.ppo
+    assert ppo.rewards.model_weight > 0 and ppo.rewards.rule_weight > 0 and ppo.rewards.normalize
+    without_rm = ppo.model_copy(update={"rewards": ppo.rewards.model_copy(update={"model_weight": 0.0})})
+    assert ppo.cpus_needed() - without_rm.cpus_needed() == ppo.reward.num_ranks * ppo.reward.cpus_per_rank > 0
+    assert ppo.eval_every, "the over-optimisation curve (gold, proxy, KL) is logged during the run"
+    verifier = load_config(ROOT / "configs" / "recipes" / "verifier.yaml")
+    assert not verifier.task.preference.gold and verifier.stages.ppo.rewards.model_weight == 0
+
+
 def test_every_option_is_documented():
     missing = [key for key, _, desc in reference() if not desc.strip()]
     assert not missing, f"fields without a description: {missing}"
