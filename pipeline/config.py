@@ -255,8 +255,8 @@ def leaf_problem(model: type[Section], dotted: str, prefix: str) -> str | None:
 
 
 def subsection(annotation: Any) -> tuple[type[Section] | None, str]:
-    """The Section class a field holds, directly, as `X | None`, or as the values of `dict[str, X]`
-    (then with the key placeholder to show in paths)."""
+    """The Section class a field holds, directly, as `X | None`, or as the values of `dict[str, X]` or the
+    items of `list[X]` (then with the key or index placeholder to show in paths)."""
     import typing
 
     if isinstance(annotation, type) and issubclass(annotation, Section):
@@ -265,6 +265,9 @@ def subsection(annotation: Any) -> tuple[type[Section] | None, str]:
     if typing.get_origin(annotation) is dict and len(args) == 2:
         inner, _ = subsection(args[1])
         return inner, ".<field path>" if inner else ""
+    if typing.get_origin(annotation) is list and len(args) == 1:
+        inner, _ = subsection(args[0])
+        return inner, "[i]" if inner else ""
     sections = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
     return (sections[0], "") if len(sections) == 1 and set(args) <= {sections[0], type(None)} else (None, "")
 
@@ -279,8 +282,8 @@ def reference(model: type[Section] = PipelineConfig, prefix: str = "") -> list[t
             rows.append((path, "", f.description or ""))
             rows += reference(sub, path + key + ".")
         else:
-            default = f.get_default(call_default_factory=True)
-            rows.append((path, json_default(default), f.description or ""))
+            default = "(required)" if f.is_required() else json_default(f.get_default(call_default_factory=True))
+            rows.append((path, default, f.description or ""))
     return rows
 
 

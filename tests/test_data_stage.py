@@ -137,11 +137,14 @@ def test_fail_mode_names_the_file_and_line(ray_local, run_dir, tracking_uri, tmp
         run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]", "stages.data.on_bad_rows=fail")
 
 
-def test_malformed_file_names_the_file_and_line(ray_local, run_dir, tracking_uri, tmp_path):
+def test_a_malformed_line_is_a_bad_row_and_fail_mode_names_it(ray_local, run_dir, tracking_uri, tmp_path):
     bad = tmp_path / "broken.jsonl"
-    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n{"prompt": oops}\n')
+    good = [json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) for i in range(20)]
+    bad.write_text("\n".join([*good[:2], '{"prompt": oops}', *good[2:]]) + "\n")
+    _, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{bad}]", "stages.data.eval_fraction=0.3")
+    assert (m["sft_rows_bad"], m["sft_rows_bad_invalid_json"], m["sft_train_rows"] + m["sft_eval_rows"]) == (1, 1, 20)
     with pytest.raises(DataError, match=rf"{bad}: line 3: invalid JSON"):
-        run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{bad}]")
+        run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{bad}]", "stages.data.on_bad_rows=fail")
 
 
 def test_packing_keeps_every_trained_token(ray_local, run_dir, tracking_uri):
@@ -173,3 +176,61 @@ def test_a_local_checkpoint_replaces_the_builtin_model(ray_local, tmp_path, trac
     plan = {p.spec.name: p for p in build_plan(cfg, to="data")}
     assert plan["model"].status == "miss" and "raw inputs changed" in plan["model"].reason
     assert plan["data"].status == "miss"
+
+
+# smoke.yaml asks for generated rows of every kind; unset, a kind with the user's sources gets none.
+UNSET_GENERATE = ("stages.data.generate.sft=null", "stages.data.generate.preference=null",
+                  "stages.data.generate.prompts=null")
+
+
+def _fifty_conversations():
+    """50 single-turn conversations with a system prompt (the shape every SFT format can carry)."""
+    return [("Answer in one word.", f"Name colour number {i}?", f"colour{i}") for i in range(50)]
+
+
+def test_the_same_conversations_in_every_format_write_the_same_parquet(ray_local, run_dir, tracking_uri, tmp_path):
+    """OpenAI messages (JSON Lines, gzipped), ShareGPT (a directory of Parquet shards) and Alpaca (CSV)
+    are recognised by their columns and become identical datasets; a user's data is not topped up
+    with generated arithmetic; rows that cannot be used are dropped and counted per reason."""
+    import gzip
+
+    import datasets
+
+    convs = _fifty_conversations()
+    messages = tmp_path / "chats.jsonl.gz"
+    with gzip.open(messages, "wt") as f:
+        for system, user, reply in convs:
+            f.write(json.dumps({"messages": [{"role": "system", "content": system}, {"role": "user", "content": user},
+                                             {"role": "assistant", "content": reply}]}) + "\n")
+        f.write('{"messages": [{"role": "user", "content": "cut off\n')  # invalid JSON: dropped, counted
+        f.write(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
+                                         {"role": "assistant", "content": "a cat"}]}) + "\n")  # an image: refused
+    shards = tmp_path / "sharegpt"
+    shards.mkdir()
+    for part in range(2):
+        rows = [{"conversations": [{"from": "system", "value": s}, {"from": "human", "value": u}, {"from": "gpt", "value": r}]}
+                for s, u, r in convs[part * 25:(part + 1) * 25]]
+        pq.write_table(pa.Table.from_pylist(rows), shards / f"part-{part}.parquet")
+    alpaca = tmp_path / "alpaca.csv"
+    alpaca.write_text("system,instruction,input,output\n" + "".join(f"{s},{u},,{r}\n" for s, u, r in convs))
+    # RL prompts the way a `datasets` user saves them: a DatasetDict, their own column names, an extra column.
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({
+        "question": [u for _, u, _ in convs], "final": [r for _, _, r in convs], "level": list(range(50))})}
+    ).save_to_disk(str(tmp_path / "rl"))
+    prompts = f"{{path: {tmp_path / 'rl'}, split: test, columns: {{prompt: question, answer: final}}}}"
+
+    written, metrics = [], []
+    for sft in (messages, shards, alpaca):
+        outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]",
+                              f"stages.data.sources.prompts=[{prompts}]", *UNSET_GENERATE)
+        written.append([read(outputs["sft_data"] / s) for s in ("train", "eval")])
+        metrics.append(m)
+    assert written[0] == written[1] == written[2]
+    assert sum(map(len, written[0])) == 50 and all(written[0])
+    m = metrics[0]
+    assert (m["sft_rows_bad"], m["sft_rows_bad_invalid_json"], m["sft_rows_bad_non_text_content"]) == (2, 1, 1)
+    assert metrics[1]["sft_rows_bad"] == metrics[2]["sft_rows_bad"] == 0
+    assert m["preference_train_rows"] + m["preference_eval_rows"] == 0  # nothing generated unasked
+    rl = read(outputs["prompt_data"] / "train") + read(outputs["prompt_data"] / "eval")
+    assert sorted((r["prompt"], r["answer"], json.loads(r["extra"])["level"]) for r in rl) == sorted(
+        (u, r, i) for i, (_, u, r) in enumerate(convs))

@@ -17,7 +17,7 @@ from pipeline.runner import RunLock, build_plan, run_pipeline
 TOY_A = '''
 from pathlib import Path
 def raw_inputs(pcfg):
-    return list(pcfg.stages.data.sources.sft)
+    return [f for src in pcfg.stages.data.sources.sft for f in src.files()]
 def run(cfg, ctx):
     with open(ctx.pipeline.run_dir / "executions.log", "a") as f:
         f.write("a\\n")

@@ -21,8 +21,10 @@ ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
 RAY_DEFAULT_READERS = 32
 
 
-def footer_readers(path: str | Path) -> int | None:
-    """Footer readers worth starting for a local file or directory; None for remote URIs."""
+def footer_readers(path: str | Path | list[Path]) -> int | None:
+    """Footer readers worth starting for a local file, directory or list of files; None for remote URIs."""
+    if isinstance(path, list):
+        return max(1, min(RAY_DEFAULT_READERS, len(path)))
     if "://" in str(path):
         return None
     p = Path(path)
@@ -30,8 +32,8 @@ def footer_readers(path: str | Path) -> int | None:
     return max(1, min(RAY_DEFAULT_READERS, files))
 
 
-def read_parquet(path: str | Path, run_storage: RunStorage | None = None):
-    """`ray.data.read_parquet(path)`, with the footer-reader pool sized by `footer_readers`.
+def read_parquet(path: str | Path | list[Path], run_storage: RunStorage | None = None):
+    """`ray.data.read_parquet(path)` (a path, or a list of files), with the footer-reader pool sized by `footer_readers`.
 
     A path of the run's artifacts is read from the bucket when `run_storage` has one, so read tasks
     work on any node. Ray reads the pool setting when the read is planned (here, in the caller), so
@@ -42,11 +44,12 @@ def read_parquet(path: str | Path, run_storage: RunStorage | None = None):
     if fs is not None:
         return ray.data.read_parquet(where, filesystem=fs)
     readers = footer_readers(path)
+    where = [str(p) for p in path] if isinstance(path, list) else str(path)
     if readers is None or ENV in os.environ:
-        return ray.data.read_parquet(str(path))
+        return ray.data.read_parquet(where)
     os.environ[ENV] = str(readers)
     try:
-        return ray.data.read_parquet(str(path))
+        return ray.data.read_parquet(where)
     finally:
         del os.environ[ENV]
 

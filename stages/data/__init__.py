@@ -25,48 +25,39 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from pipeline import console, storage
 from pipeline.errors import DataError
 from pipeline.schema import Section
 from pipeline.stage import StageContext
-from stages.data.formats import KINDS, SUFFIXES, check_row, locate_problem
+from stages.data.formats import KINDS, RowError, classify_row, locate_problem
+from stages.data.sources import SourceConfig, SourcesConfig, read_source, resolve_format
 
 
-class SourcesConfig(Section):
-    """Raw files per row kind. A kind with no files is generated from the task instead."""
-
-    sft: list[Path] = Field([], description="Files with 'messages' or 'prompt'+'response' rows.")
-    preference: list[Path] = Field([], description="Files with 'prompt', 'chosen', 'rejected' rows.")
-    prompts: list[Path] = Field([], description="Files with 'prompt' (+ optional 'answer') rows for RL.")
-
-    @field_validator("sft", "preference", "prompts")
-    @classmethod
-    def _existing_files(cls, paths: list[Path]) -> list[Path]:
-        out = []
-        for p in paths:
-            p = p.expanduser().absolute()
-            if not p.is_file():
-                raise ValueError(f"file not found: {p} (check the path; relative paths start at the current directory)")
-            if p.suffix.lower() not in SUFFIXES:
-                raise ValueError(f"{p.name}: unsupported format; use one of {', '.join(SUFFIXES)} (.json means JSON Lines)")
-            out.append(p)
-        return out
+# The generated task's default row counts per kind, used when the config gives no sources at all.
+GENERATE_DEFAULTS = {"sft": 4000, "preference": 2000, "prompts": 1000}
 
 
 class GenerateConfig(Section):
-    """Row counts drawn from the task for kinds that have no source files (0 = none)."""
+    """Row counts drawn from the task for kinds without sources of their own. Unset: the defaults when no
+    sources are given at all, else 0 (a user's own data is never topped up with generated arithmetic unless
+    asked, and a kind with its own sources is never mixed with it)."""
 
-    sft: int = Field(4000, ge=0, description="SFT conversations to generate.")
-    preference: int = Field(2000, ge=0, description="Preference pairs to generate.")
-    prompts: int = Field(1000, ge=0, description="RL prompts (with reference answers) to generate.")
+    sft: int | None = Field(None, ge=0, description="SFT conversations to generate (unset: 4000 without sources, else 0).")
+    preference: int | None = Field(None, ge=0, description="Preference pairs to generate (unset: 2000 without sources, else 0).")
+    prompts: int | None = Field(None, ge=0, description="RL prompts with reference answers to generate (unset: 1000 "
+                                "without sources, else 0).")
+
+    def count(self, kind: str, sources: SourcesConfig) -> int:
+        n = getattr(self, kind)
+        return n if n is not None else (0 if sources.any() else GENERATE_DEFAULTS[kind])
 
 
 class DataConfig(Section):
     """The data stage."""
 
-    sources: SourcesConfig = Field(default_factory=SourcesConfig, description="Raw files per row kind.")
+    sources: SourcesConfig = Field(default_factory=SourcesConfig, description="Raw sources per row kind (docs/data.md).")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Generated rows per kind.")
     max_len: int = Field(128, ge=8, le=65536, description="Tokens per row; longer SFT rows are truncated, longer pairs/prompts dropped.")
     pack: bool = Field(False, description="Pack several SFT conversations into each max_len row (position ids restart per conversation).")
@@ -79,7 +70,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _some_data(self) -> "DataConfig":
-        kinds = [k for k in KINDS if getattr(self.sources, k) or getattr(self.generate, k)]
+        kinds = [k for k in KINDS if getattr(self.sources, k) or self.generate.count(k, self.sources)]
         if not kinds:
             raise ValueError("no data: give stages.data.sources files or a stages.data.generate count above 0")
         return self
@@ -157,51 +148,65 @@ COLUMNS = {
     "sft": ("prompt", "input_ids", "loss_mask"),
     "preference": ("prompt", "chosen", "rejected", "chosen_input_ids", "chosen_loss_mask",
                    "rejected_input_ids", "rejected_loss_mask"),
-    "prompts": ("prompt", "answer", "prompt_ids"),
+    "prompts": ("prompt", "answer", "prompt_ids", "extra"),  # extra: the row's other columns, JSON (reward functions)
 }
-TEXT_COLUMNS = ("kind", "split", "prompt", "chosen", "rejected", "answer")
+TEXT_COLUMNS = ("kind", "split", "prompt", "chosen", "rejected", "answer", "extra")
 ID_COLUMNS = ("input_ids", "loss_mask", "chosen_input_ids", "chosen_loss_mask", "rejected_input_ids",
               "rejected_loss_mask", "prompt_ids", "position_ids")
 TOKEN_COLUMN = {"sft": "input_ids", "preference": "chosen_input_ids", "prompts": "prompt_ids"}
 
 
-def _validate_batch(batch, kind: str, source: str, seed: int, eval_fraction: float):
-    """Raw rows -> one uniform schema (kind, key, split, order, payload JSON, error, source)."""
+def _raw_rows(batch, json_text: bool) -> list[dict | str]:
+    """A batch's raw records: JSON sources arrive as one `text` column of records (parsed here, so a
+    malformed one is a bad row, not a failed read); other sources as their own columns."""
+    rows = batch.to_pylist()
+    if not json_text:
+        return rows
+    out: list[dict | str] = []
+    for r in rows:
+        try:
+            record = json.loads(r["text"])
+        except json.JSONDecodeError as exc:
+            out.append(f"invalid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        out.append(record if isinstance(record, dict) else "a record must be one JSON object")
+    return out
+
+
+def _validate_batch(batch, kind: str, source: str, fmt: str, columns: dict, json_text: bool, seed: int,
+                    eval_fraction: float):
+    """Raw rows -> one uniform schema (kind, key, split, order, payload JSON, code, error, source)."""
     import pyarrow as pa
 
-    out: dict[str, list] = {"kind": [], "key": [], "split": [], "order": [], "payload": [], "error": [], "source": []}
-    for row in batch.to_pylist():
-        good, error = check_row(kind, row)
-        key = good["key"] if good else ""
+    out: dict[str, list] = {c: [] for c in ("kind", "key", "split", "order", "payload", "code", "error", "source")}
+    for row in _raw_rows(batch, json_text):
+        good, code, error = (None, "invalid_json", row) if isinstance(row, str) else classify_row(kind, row, fmt, columns)
         payload = json.dumps(good, sort_keys=True) if good else ""
         out["kind"].append(kind)
-        out["key"].append(key)
+        out["key"].append(good["key"] if good else "")
         out["split"].append(split_of(good["group"], seed, eval_fraction) if good else "")
         out["order"].append(shuffle_key(payload, seed))
         out["payload"].append(payload)
+        out["code"].append(code)
         out["error"].append(error)
         out["source"].append(source)
     return pa.table(out)
 
 
-def _read(kind: str, source: Path | list[dict], cfg: DataConfig, seed: int):
-    """A lazy Ray dataset of validated rows from one file or from generated rows."""
+def _read(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: int):
+    """A lazy Ray dataset of validated rows from one source or from generated rows."""
     import ray.data
 
-    from stages.common.parquet import read_parquet
-
     if isinstance(source, list):
-        ds, name = ray.data.from_items(source), "generated"
+        parts, name, fmt, columns = [(ray.data.from_items(source), False)], "generated", "auto", {}
     else:
-        suffix, name = source.suffix.lower(), str(source)
-        if suffix in (".jsonl", ".json"):
-            ds = ray.data.read_json(name, lines=True)
-        elif suffix == ".csv":
-            ds = ray.data.read_csv(name)
-        else:
-            ds = read_parquet(source)
-    return ds.map_batches(_validate_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
-                          fn_kwargs={"kind": kind, "source": name, "seed": seed, "eval_fraction": cfg.eval_fraction})
+        # `auto` is decided per row: one file may mix shapes (chat rows beside prompt + response rows)
+        parts, name, fmt, columns = read_source(source), source.path, source.format, source.columns
+    validated = [ds.map_batches(_validate_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
+                                fn_kwargs={"kind": kind, "source": name, "fmt": fmt, "columns": columns,
+                                           "json_text": json_text, "seed": seed, "eval_fraction": cfg.eval_fraction})
+                 for ds, json_text in parts]
+    return validated[0].union(*validated[1:]) if len(validated) > 1 else validated[0]
 
 
 def _first_row(group):
@@ -242,8 +247,9 @@ def _table(rows: list[dict]):
 class Tokenize:
     """Ray Data actor: validated payload rows of any kind -> token ids and loss masks.
 
-    Rows too long to use are kept as `split = "dropped:<split>"` so the stage can count them in
-    the same pass; they are never written.
+    Rows too long to use are kept as `split = "dropped:<split>"`, and rows the chat template cannot
+    render as given (tool calls a template ignores) as `split = "invalid:<code>"`, so the stage can
+    count them in the same pass; neither is ever written.
     """
 
     def __init__(self, tokenizer_path: str, max_len: int, system_prompt: str | None, total_rows: int | None = None):
@@ -258,7 +264,13 @@ class Tokenize:
         return messages
 
     def _conversation(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        text, spans = render_with_spans(self.tok, self._with_system(messages))
+        messages = self._with_system(messages)
+        text, spans = render_with_spans(self.tok, messages)
+        if any(m.get("tool_calls") for m in messages):
+            bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+            if self.tok.apply_chat_template(bare, tokenize=False) == text:
+                raise RowError("template_ignores_tools", "the model's chat template does not render tool_calls; "
+                               "use a model whose template supports tools, or drop these rows")
         enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         return enc["input_ids"], loss_mask(enc["offset_mapping"], spans)
 
@@ -268,25 +280,28 @@ class Tokenize:
             ids, mask = self._conversation(row["messages"])
             ids, mask = ids[: self.max_len], mask[: self.max_len]  # truncate; usable while a reply remains
             return {"prompt": row["key"], "input_ids": ids, "loss_mask": mask}, any(mask)
+        prompt = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         if kind == "preference":
-            user = [{"role": "user", "content": row["prompt"]}]
-            c_ids, c_mask = self._conversation(user + [{"role": "assistant", "content": row["chosen"]}])
-            r_ids, r_mask = self._conversation(user + [{"role": "assistant", "content": row["rejected"]}])
+            c_ids, c_mask = self._conversation(prompt + [{"role": "assistant", "content": row["chosen"]}])
+            r_ids, r_mask = self._conversation(prompt + [{"role": "assistant", "content": row["rejected"]}])
             out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
                    "chosen_input_ids": c_ids, "chosen_loss_mask": c_mask,
                    "rejected_input_ids": r_ids, "rejected_loss_mask": r_mask}
             return out, max(len(c_ids), len(r_ids)) <= self.max_len  # truncation could erase the difference
-        messages = self._with_system([{"role": "user", "content": row["prompt"]}])
-        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.tok.apply_chat_template(self._with_system(prompt), tokenize=False, add_generation_prompt=True)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        return {"prompt": row["prompt"], "answer": row["answer"], "prompt_ids": ids}, len(ids) < self.max_len
+        extra = json.dumps(row["extra"], sort_keys=True) if row.get("extra") else ""
+        return {"prompt": row["prompt"], "answer": row["answer"], "prompt_ids": ids, "extra": extra}, len(ids) < self.max_len
 
     def __call__(self, batch):
         rows = []
         for kind, split, payload in zip(batch["kind"].to_pylist(), batch["split"].to_pylist(),
                                         batch["payload"].to_pylist()):
-            out, fits = self._row(kind, json.loads(payload))
-            rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}"})
+            try:
+                out, fits = self._row(kind, json.loads(payload))
+                rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}"})
+            except RowError as exc:
+                rows.append({"kind": kind, "split": f"invalid:{exc.code}", "prompt": str(exc)})
         if self.total_rows:
             console.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
         return _table(rows)
@@ -312,49 +327,95 @@ def _pack_batch(batch, max_len: int):
 def raw_inputs(pcfg) -> list[Path]:
     """Files whose contents are part of this stage's cache key."""
     s = pcfg.stages.data.sources
-    return [*s.sft, *s.preference, *s.prompts]
+    return [f for kind in KINDS for src in getattr(s, kind) for f in src.files()]
 
 
-def _sources(cfg: DataConfig, pcfg) -> list[tuple[str, Path | list[dict]]]:
-    """(kind, file or generated rows) for every input; a kind without files is generated."""
+def _sources(cfg: DataConfig, pcfg) -> list[tuple[str, SourceConfig | list[dict]]]:
+    """(kind, source or generated rows) for every input. A kind with sources of its own is never mixed with
+    generated rows; one without gets them when its count is set, or by default when the config gives no
+    sources at all (`GenerateConfig.count`)."""
     from stages.common import tasks
 
     make = {"sft": tasks.sft_rows, "preference": tasks.preference_rows, "prompts": tasks.prompt_rows}
-    out: list[tuple[str, Path | list[dict]]] = []
+    out: list[tuple[str, SourceConfig | list[dict]]] = []
     for kind in KINDS:
-        files = getattr(cfg.sources, kind)
-        n = getattr(cfg.generate, kind)
-        out += [(kind, f) for f in files] or ([(kind, make[kind](n, pcfg.seed, pcfg.task))] if n else [])
+        own = getattr(cfg.sources, kind)
+        n = 0 if own else cfg.generate.count(kind, cfg.sources)
+        out += [(kind, src) for src in own] + ([(kind, make[kind](n, pcfg.seed, pcfg.task))] if n else [])
     return out
 
 
-def _checked(cfg: DataConfig, pcfg):
-    """Read and validate all sources into one materialised dataset; name the file on read errors."""
-    sources = _sources(cfg, pcfg)
-    parts = [_read(kind, src, cfg, pcfg.seed) for kind, src in sources]
+def _locate(kind: str, src: SourceConfig, parse_only: bool = False) -> str | None:
+    """The first problem in a source's files (in file order), naming the file and line."""
+    from stages.data.sources import is_hf_dataset
+
+    if is_hf_dataset(Path(src.path)):
+        return None
+    fmt = "auto" if parse_only else resolve_format(kind, src)
+    return next(filter(None, (locate_problem(f, kind, fmt, src.columns, parse_only) for f in src.files())), None)
+
+
+def _format_note(kind: str, src: SourceConfig) -> str:
+    """What the progress line says about a source's format: as set, or what its first record looks like."""
+    if src.format != "auto":
+        return f"format {src.format}"
+    try:
+        return f"format {resolve_format(kind, src)} (recognised from its columns; each row is checked on its own)"
+    except RowError as exc:
+        return f"first record fits no format: {exc}"
+
+
+def _checked(sources, cfg: DataConfig, pcfg, progress):
+    """Read and validate all sources into one materialised dataset; name the source on read errors."""
+    parts = []
+    for kind, src in sources:
+        try:
+            parts.append(_read(kind, src, cfg, pcfg.seed))
+        except ValueError as exc:  # a source's columns fit no format, a missing split, an unparsable JSON array
+            raise DataError(f"stages.data.sources.{kind}: {exc}") from None
+        progress(f"{kind}: {len(src)} generated rows" if isinstance(src, list) else
+                 f"{kind}: {src.describe()}: {len(src.files())} file(s), {_format_note(kind, src)}")
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
     try:
         return ds.materialize()
     except Exception:  # Ray wraps reader errors; locate the bad file and line ourselves
         for kind, src in sources:
-            problem = locate_problem(src, kind, parse_only=True) if isinstance(src, Path) else None
+            problem = _locate(kind, src, parse_only=True) if isinstance(src, SourceConfig) else None
             if problem:
                 raise DataError(f"{problem} (fix the file, or remove it from stages.data.sources.{kind})") from None
         raise  # not a problem in the user's files: a real failure, shown with its traceback
 
 
-def _bad_rows(checked, on_bad_rows: str) -> dict[str, int]:
-    """Count invalid rows per kind; with on_bad_rows=fail, raise naming the first one's file and line."""
+def _bad_rows(checked, on_bad_rows: str, sources) -> dict[tuple[str, str], int]:
+    """Invalid rows per (kind, reason code); with on_bad_rows=fail, raise naming the first one's file and line."""
     from ray.data.expressions import col
 
     bad = checked.filter(expr=col("error") != "")
-    counts = {kind: n for (kind,), n in _count_by(bad, ["kind"]).items()}
+    counts = {(kind, code): n for (kind, code), n in _count_by(bad, ["kind", "code"]).items()}
     if counts and on_bad_rows == "fail":
         first = bad.take(1)[0]
-        where = locate_problem(Path(first["source"]), first["kind"]) if first["source"] != "generated" else None
+        src = next((s for k, s in sources if k == first["kind"] and isinstance(s, SourceConfig)
+                    and s.path == first["source"]), None)
+        where = _locate(first["kind"], src) if src is not None else None
         raise DataError(f"{where or first['source'] + ': ' + first['error']} ({sum(counts.values())} invalid rows; "
                         "fix them, or set stages.data.on_bad_rows=drop to skip and count them)")
     return counts
+
+
+def _first_error(checked, kind: str) -> str:
+    """'<source>: <reason>' of the first row of `kind` the validation refused."""
+    rows = checked.filter(lambda r: r["kind"] == kind and r["error"] != "").take(1)
+    return f"{rows[0]['source']}: {rows[0]['error']}" if rows else ""
+
+
+def _first_invalid(tokens, kind: str) -> str:
+    """The reason the tokenizer gave for the first row of `kind` it could not render."""
+    return tokens.filter(lambda r: r["kind"] == kind and r["split"].startswith("invalid:")).take(1)[0]["prompt"]
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    """': 3 missing_field, 1 invalid_json' for a progress line (empty without invalid rows)."""
+    return (": " + ", ".join(f"{n} {code}" for code, n in counts.items())) if counts else ""
 
 
 def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_storage: storage.RunStorage) -> tuple[int, int]:
@@ -377,16 +438,19 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_stora
     return len(n_tokens), sum(n_tokens)
 
 
-def _check_not_empty(kind: str, m: dict[str, int], had_input: bool) -> None:
-    """A kind that had input must yield both splits: an empty split is not a usable artifact."""
+def _check_not_empty(kind: str, m: dict[str, int], had_input: bool, first_reason=lambda kind: "") -> None:
+    """A kind that had input must yield both splits: an empty split is not a usable artifact.
+    `first_reason(kind)` gives why the first invalid row was refused, for the message."""
     if not had_input:
         return
     for split, fix in (("train", "check stages.data.on_bad_rows / stages.data.max_len, or the data itself"),
                        ("eval", "raise stages.data.eval_fraction or bring more rows")):
         if m[f"{kind}_{split}_rows"] == 0:
+            why = first_reason(kind) if m[f"{kind}_rows_bad"] else ""
             raise DataError(
                 f"no {kind} rows left in the {split} split ({m[f'{kind}_rows_bad']} invalid, "
                 f"{m[f'{kind}_rows_duplicate']} duplicate, {m[f'{kind}_rows_too_long']} too long); {fix}"
+                + (f". The first invalid row: {why}" if why else "")
             )
 
 
@@ -413,8 +477,9 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
 
     DataContext.get_current().execution_options.preserve_order = True
     ctx.progress("reading and validating sources")
-    checked = _checked(cfg, ctx.pipeline)
-    bad = _bad_rows(checked, cfg.on_bad_rows)
+    sources = _sources(cfg, ctx.pipeline)
+    checked = _checked(sources, cfg, ctx.pipeline, ctx.progress)
+    bad = _bad_rows(checked, cfg.on_bad_rows, sources)
     from ray.data.expressions import col
 
     good = checked.filter(expr=col("error") == "")
@@ -439,19 +504,26 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
     metrics: dict[str, int] = {}
     for kind in KINDS:
         unique = sum(n for (k, _), n in per_kind.items() if k == kind)
-        metrics |= {f"{kind}_rows_bad": bad.get(kind, 0), f"{kind}_rows_duplicate": valid.get((kind,), 0) - unique,
+        late = {s.split(":", 1)[1]: n for (k, s), n in per_kind.items() if k == kind and s.startswith("invalid:")}
+        if late and cfg.on_bad_rows == "fail":
+            raise DataError(f"{sum(late.values())} {kind} row(s) the chat template cannot render: "
+                            f"{_first_invalid(tokens, kind)} (or set stages.data.on_bad_rows=drop to skip and count them)")
+        reasons = {code: bad.get((kind, code), 0) + late.get(code, 0) for code in sorted({c for k, c in bad if k == kind} | set(late))}
+        metrics |= {f"{kind}_rows_bad": sum(reasons.values()), **{f"{kind}_rows_bad_{c}": n for c, n in reasons.items()},
+                    f"{kind}_rows_duplicate": valid.get((kind,), 0) - unique,
                     f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
         for split in ("train", "eval"):
             rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split, ctx.storage)
             metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
-        _check_not_empty(kind, metrics, had_input=any(k == kind for k, _ in _sources(cfg, ctx.pipeline)))
+        _check_not_empty(kind, metrics, had_input=any(k == kind for k, _ in sources),
+                         first_reason=lambda k: _first_error(checked, k))
         (ctx.out_dir / kind / "meta.json").write_text(json.dumps({
             "kind": kind, "tokenizer": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
             "packed": cfg.pack and kind == "sft", "columns": [*COLUMNS[kind], "num_tokens"],
             "rows": {s: metrics[f"{kind}_{s}_rows"] for s in ("train", "eval")},
         }, indent=2))
         ctx.progress(f"{kind}: {metrics[f'{kind}_train_rows']} train / {metrics[f'{kind}_eval_rows']} eval rows "
-                     f"({metrics[f'{kind}_rows_bad']} invalid, {metrics[f'{kind}_rows_duplicate']} duplicate, "
+                     f"({metrics[f'{kind}_rows_bad']} invalid{_reasons(reasons)}, {metrics[f'{kind}_rows_duplicate']} duplicate, "
                      f"{metrics[f'{kind}_rows_too_long']} too long dropped)")
     ctx.log_metrics(metrics)
     return {"sft_data": ctx.out_dir / "sft", "preference_data": ctx.out_dir / "preference",
