@@ -25,6 +25,9 @@ class StageSpec:
     # What the run summary, `--json` and the parent MLflow run show of it: templates over its
     # manifest's metrics (`pipeline.outcomes`); one whose metrics are missing is left out.
     outcomes: tuple[str, ...] = ()
+    # Settings inside what it reads that cannot change its outputs (the model and data stages read all of
+    # `task` to generate it, but how answers are scored is not theirs): left out of its cache key.
+    ignores: tuple[str, ...] = ()
 
 
 PPO_OUTCOME = ("accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
@@ -34,20 +37,20 @@ PPO_OUTCOME = ("accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {e
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("model", "stages.model", "model", ("seed", "task"), (), ("base_model",),
               "build the embedded base model + tokenizer, or check a local checkpoint",
-              outcomes=("{num_parameters:,.0f} parameters",)),
+              outcomes=("{num_parameters:,.0f} parameters",), ignores=("task.verifier",)),
     StageSpec("data", "stages.data", "stages.data", ("seed", "task"), ("base_model",),
               ("sft_data", "preference_data", "prompt_data"),
               "Ray Data: validate, dedupe, template, tokenize, mask, split, write Parquet",
               outcomes=("{sft_train_rows:.0f} SFT rows", "{preference_train_rows:.0f} preference pairs",
-                        "{prompts_train_rows:.0f} RL prompts")),
-    StageSpec("sft", "stages.sft", "stages.sft", ("seed",), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
+                        "{prompts_train_rows:.0f} RL prompts"), ignores=("task.verifier",)),
+    StageSpec("sft", "stages.sft", "stages.sft", ("seed", "task.verifier"), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
               "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens",
               outcomes=("eval loss {eval_loss:.3f}",
                         "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts")),
     StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"), ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
               outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}")),
-    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference"), ("sft_model", "reward_model", "prompt_data"),
+    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
               outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})")),
     # serve registers in the tracking server's model registry: another registry is another result.
@@ -72,7 +75,7 @@ def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
     if batch is not None:
         inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),
                   *(("reward_model",) if batch.score.reward_model else ()))
-        stages += (StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed",), inputs,
+        stages += (StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed", "task.verifier"), inputs,
                              ("predictions",), "Ray Data LLM: completions for a prompts dataset, scored, as Parquet",
                              outcomes=("{rows:.0f} rows", "{rows_failed:.0f} failed")),)
     tune = cfg.stages.tune

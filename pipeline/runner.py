@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -105,6 +106,26 @@ def select(stages: list[StageSpec], only=(), from_=None, to=None) -> set[str]:
     return chosen
 
 
+_FUNCTION_SPEC = re.compile(r"^([A-Za-z_][\w.]*):[A-Za-z_]\w*$")
+
+
+def named_modules(config: dict, reads: tuple[str, ...]) -> list[str]:
+    """Modules named as 'module:function' by the settings a stage reads from elsewhere in the config (a
+    custom `task.verifier`, a gold preference): their code changes the stage's results like its own."""
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, str) and (m := _FUNCTION_SPEC.match(value)):
+            found.append(m.group(1))
+
+    for p in reads:
+        walk(config.get(p))
+    return found
+
+
 def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, str], fps, stage_cfg: Any = None) -> dict:
     """Everything a stage's output depends on; its hash is the cache key.
 
@@ -118,8 +139,12 @@ def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, st
     for p in spec.reads:  # whether a swept stage takes the sweep's values does not change the sweep
         if isinstance(config[p], dict):
             config[p].pop("use_tuned", None)
+    for dotted in spec.ignores:  # e.g. task.verifier for the stages that generate the task
+        section, _, key = dotted.rpartition(".")
+        if isinstance(config.get(section), dict):
+            config[section].pop(key, None)
     code = {}
-    for name in (spec.module, *spec.code, *stage.configured_code(section)):
+    for name in (spec.module, *spec.code, *stage.configured_code(section), *named_modules(config, spec.reads)):
         code.update(artifacts.code_fingerprint(name))
     return {
         "stage": spec.name,

@@ -120,12 +120,13 @@ def result(row: dict) -> dict:
             "num_generated_tokens": 0 if error else int(row.get("num_generated_tokens") or 0), "error": error}
 
 
-def verified(batch, answer_field: str):
+def verified(batch, answer_field: str, verifier: str = "number"):
     """Adds `correct` (1.0 / 0.0; empty without an answer or on error) by the task verifier (a pandas batch)."""
-    from stages.common.tasks import verify
+    from stages.common.verifiers import verifier_function
 
     import pandas as pd
 
+    verify = verifier_function(verifier)
     answers = batch[answer_field] if answer_field in batch else [None] * len(batch)
     out = []
     for completion, answer, error in zip(batch["completion"], answers, batch["error"]):
@@ -232,7 +233,7 @@ def _outputs(row: dict) -> dict:
 
 
 def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, log, reward_dir: Path | None = None,
-          seed: int = 0, run_storage=None) -> dict[str, Any]:
+          seed: int = 0, run_storage=None, verifier: str = "number") -> dict[str, Any]:
     """Generate, score and write `out_dir/predictions` + `out_dir/summary.json`; returns the summary.
 
     `log(message)` reports progress. Ray must be running. With the run's `RunStorage`, prompts that
@@ -245,7 +246,7 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
     t0 = time.time()
     ds = processor(cfg, model_dir, seed)(ds).map(result)
     if cfg.score.verifier:
-        ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field}, batch_format="pandas",
+        ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field, "verifier": verifier}, batch_format="pandas",
                             batch_size=cfg.batch_size)
     if cfg.score.reward_model and reward_dir is not None:
         ds = ds.map_batches(RewardScorer, fn_constructor_args=(str(reward_dir), cfg.prompt_field),
@@ -277,7 +278,7 @@ def run(cfg: BatchInferConfig, ctx: StageContext) -> dict[str, Path]:
     ctx.ray()
     reward_dir = ctx.inputs.get("reward_model") if cfg.score.reward_model else None
     summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed,
-                    ctx.storage)
+                    ctx.storage, ctx.pipeline.task.verifier)
     check_not_all_failed(summary, prompts)
     ctx.progress(f"results in {ctx.out_dir / 'predictions'}")
     ctx.log_metrics(summary)
@@ -325,7 +326,7 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed)
+        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed, verifier=cfg.task.verifier)
         if output.exists():  # an empty directory the user made for it
             output.rmdir()
         tmp.rename(output)

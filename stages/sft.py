@@ -257,13 +257,15 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, base, "causal")  # a LoRA adapter is merged into the base here
     prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
+    verifier = ctx.pipeline.task.verifier
     if prompts:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts ({cfg.accuracy_engine})")
         if cfg.accuracy_engine == "vllm":
-            (base_acc, base_cut), (acc, cut) = (verified_share(*answers, prompts) for answers in engine_greedy(
+            (base_acc, base_cut), (acc, cut) = (verified_share(*answers, prompts, verifier) for answers in engine_greedy(
                 [base, out], [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, ctx.pipeline.seed, ctx.storage))
         else:
-            (base_acc, base_cut), (acc, cut) = (greedy_accuracy(d, prompts, cfg.max_new_tokens) for d in (base, out))
+            (base_acc, base_cut), (acc, cut) = (greedy_accuracy(d, prompts, cfg.max_new_tokens, verifier)
+                                                for d in (base, out))
         metrics.update(base_accuracy=base_acc, base_truncated=base_cut, accuracy=acc, truncated=cut)
         metrics["accuracy_prompts"] = len(prompts)
         ctx.progress(f"accuracy {metrics['base_accuracy']:.3f} (base) -> {metrics['accuracy']:.3f} (sft)")

@@ -366,15 +366,17 @@ def greedy_generate(model_dir: str | Path, prompt_ids: list[list[int]], max_new_
     return texts, cut
 
 
-def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int) -> tuple[float, float]:
+def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int,
+                    verifier: str = "number") -> tuple[float, float]:
     """(share of prompt rows (`prompt_ids`, `answer`) whose greedy answer the task verifier accepts,
     share of answers cut off by `max_new_tokens`: scored as given, and reported), from HF `generate`."""
-    return verified_share(*greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens), rows)
+    return verified_share(*greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens), rows, verifier)
 
 
-def verified_share(texts: list[str], cut: list[bool], rows: list[dict]) -> tuple[float, float]:
-    """(share of answers the task verifier accepts for their rows' `answer`, share cut off)."""
-    from stages.common.tasks import verify
+def verified_share(texts: list[str], cut: list[bool], rows: list[dict], verifier: str = "number") -> tuple[float, float]:
+    """(share of answers the task verifier (`task.verifier`) accepts for their rows' `answer`, share cut off)."""
+    from stages.common.verifiers import verifier_function
 
+    verify = verifier_function(verifier)
     n = max(len(rows), 1)
     return sum(verify(t, r["answer"]) for t, r in zip(texts, rows)) / n, sum(cut) / n

@@ -63,6 +63,19 @@ class TaskConfig(Section):
                           "(`8 - 7 = 1`), so every step is one small fact the model can learn.")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig, description="A gold preference over "
                                          "responses that labels the generated pairs and judges RL (empty: none).")
+    verifier: str = Field("number", description="How every correctness score (SFT held-out accuracy, the RL rule "
+                          "reward `verifier`, evaluation, batch-infer scoring) checks a response against its row's "
+                          "`answer`: number, exact (normalised text), choice (a letter A-J), regex (the answer is a "
+                          "pattern), math (math-verify: LaTeX, \\boxed{}, equivalent forms), or 'module:function' "
+                          "taking (response, answer) and returning a bool (stages/common/verifiers.py).")
+
+    @field_validator("verifier")
+    @classmethod
+    def _verifier_form(cls, v: str) -> str:
+        builtins = ("number", "exact", "choice", "regex", "math")  # stages.common.verifiers.BUILTINS (import stays light)
+        if v not in builtins and (":" not in v or not all(v.split(":", 1))):
+            raise ValueError(f"must be one of {', '.join(builtins)} or 'module:function', got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _digits_ordered(self) -> "TaskConfig":

@@ -82,6 +82,7 @@ class _Session:
     train_rows: list[dict]
     eval_rows: list[dict]
     gold: Callable[[str, str], float] | None = None  # task.preference.gold: the judge no stage trains on
+    verify: Callable[[str, str], bool] | None = None  # task.verifier: what held-out accuracy counts
     moments: Any = None  # rewards.normalize: running statistics of the reward model's scores
     groups: dict[str, Any] = field(default_factory=dict)  # role -> ModelGroup
     trained: dict[str, Any] = field(default_factory=dict)  # the trainable roles among them
@@ -145,6 +146,7 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     from stages.common.lora import describe
     from stages.common.engines import EnginePool, EngineSpec
     from stages.common.models import load_tokenizer, saved_heads
+    from stages.common.verifiers import verifier_function
     from stages.ppo.scoring import rule_reward
 
     sft, rm_dir, data = ctx.inputs["sft_model"], ctx.inputs["reward_model"], ctx.inputs["prompt_data"]
@@ -152,13 +154,13 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
-    rule = rule_reward(cfg.rewards.rule)
+    rule = rule_reward(cfg.rewards.rule, ctx.pipeline.task.verifier)
     # Loading the tokenizer (importing transformers, ~4 s of CPU) overlaps Ray's start-up, which mostly
     # waits on the daemons it spawns. ctx.ray() stays on the main thread (it installs a signal handler).
     with ThreadPoolExecutor(1) as loader:
         tok = loader.submit(load_tokenizer, sft)
         ctx.ray()
-        s = _Session(tok.result(), rule, train_rows, eval_rows)
+        s = _Session(tok.result(), rule, train_rows, eval_rows, verify=verifier_function(ctx.pipeline.task.verifier))
     if ctx.pipeline.task.preference.gold:
         from stages.common.tasks import gold_function
 
@@ -400,7 +402,7 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
         ctx.log_dict(trend["curve"], "overoptimisation.json")
     if before is not None:
         before, before_gold = before
-        after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments)
+        after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
         if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
             final.update(gold_win_rate(before_gold, after_gold))
@@ -448,7 +450,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
         ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
         t_ready = time.time()
         # the SFT policy, on the held-out prompts (and, with a gold preference, each sampled answer's gold score)
-        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule, s.gold, s.moments) if s.eval_rows else None
+        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule, s.gold, s.moments, s.verify) if s.eval_rows else None
         kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
         t0 = time.time()
         start, trend = _resume(s, ctx, kl_ctl)

@@ -15,11 +15,14 @@ import math
 from stages.ppo.config import PPOConfig
 
 
-def rule_reward(spec: str):
-    """The rule reward as a function (prompt, response, answer) -> float."""
-    from stages.common.tasks import load_function, verify
+def rule_reward(spec: str, verifier: str = "number"):
+    """The rule reward as a function (prompt, response, answer) -> float: `verifier` is the task's verifier
+    (`task.verifier`), 1.0 when it accepts the answer."""
+    from stages.common.tasks import load_function
+    from stages.common.verifiers import verifier_function
 
     if spec == "verifier":
+        verify = verifier_function(verifier)
         return lambda prompt, response, answer: float(verify(response, answer))
     return load_function(spec, "stages.ppo.rewards.rule", "'verifier' or an importable 'module:function'")
 
@@ -114,7 +117,7 @@ def generate(pool, rows: list[dict], sampling: dict) -> list[dict]:
 
 
 def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
-             moments: RunningMoments | None = None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
+             moments: RunningMoments | None = None, verify=None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
     """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
     `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
     as given: counted and reported, so a length limit that cuts answers short shows). With a `gold`
@@ -130,6 +133,8 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
         texts = tok.batch_decode([s["ids"] for s in flat], skip_special_tokens=True)
         reps = [r for r in rows for _ in range(k)]
         scores, correct, *_ = score(texts, reps, reward_group, cfg, rule, moments=moments)
+        if verify is not None:  # accuracy by the task's verifier, whatever the rule reward is
+            correct = [float(verify(t, r.get("answer") or "")) for t, r in zip(texts, reps)]
         cut = [float(not s["finished"]) for s in flat]  # stopped by max_new_tokens, not by the model
         per = lambda xs: [xs[i * k:(i + 1) * k] for i in range(len(rows))]  # noqa: E731
         mean = lambda xs: [sum(p) / k for p in per(xs)]  # noqa: E731
