@@ -113,12 +113,14 @@ def _parser() -> argparse.ArgumentParser:
 def _print_plan(plan, console) -> None:
     from rich.table import Table
 
-    table = Table("#", "stage", "status", "key", "why")
+    table = Table("#", "stage", "reads", "status", "key", "why")
     colour = {"hit": "green", "miss": "yellow", "skip": "dim"}
     for i, p in enumerate(plan, 1):
         why = p.reason if p.status != "skip" else f"not selected ({'done' if p.finished else 'not done'})"
-        table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key or "(not yet known)", why)
+        table.add_row(str(i), p.spec.name, ", ".join(p.spec.inputs) or "-", f"[{colour[p.status]}]{p.status}[/]",
+                      p.key or "(not yet known)", why)
     console.print(table)
+    console.print("graph: " + " -> ".join(p.spec.name for p in plan))
 
 
 def _default_model(cfg) -> str:

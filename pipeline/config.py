@@ -83,9 +83,13 @@ class StagesConfig(Section):
     """One section per stage (the `model` stage is configured by the top-level `model` section)."""
 
     data: DataConfig = Field(default_factory=DataConfig, description="The data stage (Ray Data).")
-    sft: SFTConfig = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed).")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + DeepSpeed).")
-    ppo: PPOConfig = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed roles).")
+    sft: SFTConfig | None = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed); "
+                                  "null: no SFT, RL (and the reward model) start from the base model.")
+    reward: RewardConfig | None = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + "
+                                        "DeepSpeed); null: no reward model (RL on a rule reward alone; PPO's critic "
+                                        "then starts from the SFT model).")
+    ppo: PPOConfig | None = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed "
+                                  "roles); null: no RL (serve takes the SFT model).")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="The serve stage (MLflow Model Registry + "
                                "Ray Serve LLM).")
     batch_infer: BatchInferConfig | None = Field(None, description="The batch_infer stage (Ray Data LLM over a "
@@ -93,6 +97,38 @@ class StagesConfig(Section):
                                                  "still works).")
     tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward or ppo); "
                                     "empty: no sweep. See the README's tune section.")
+
+
+    @model_validator(mode="after")
+    def _a_graph_that_can_run(self) -> "StagesConfig":
+        """The stage graph follows the config: a null stage is left out, and what needs it is refused here,
+        naming the key, rather than failing when the stage runs."""
+        ppo, reward, sft = self.ppo, self.reward, self.sft
+        if ppo is not None and reward is None and ppo.rewards.model_weight:
+            raise ValueError(f"stages.ppo.rewards.model_weight is {ppo.rewards.model_weight:g} but stages.reward is "
+                             "null: there is no reward model to score with; set stages.ppo.rewards.model_weight: 0 "
+                             "(the rule reward alone) or configure stages.reward")
+        if reward is not None and sft is None and reward.init_from == "sft":
+            raise ValueError("stages.reward.init_from is sft but stages.sft is null; set stages.reward.init_from: base")
+        made = {"base_model", *(["sft_model"] if sft else []), *(["policy_model"] if ppo else [])}
+        if self.serve.source is None:  # the last model the pipeline trains (sections are frozen once validated)
+            last = "policy_model" if ppo else "sft_model" if sft else "base_model"
+            object.__setattr__(self, "serve", self.serve.model_copy(update={"source": last}))
+        for key, source in (("serve", self.serve.source),
+                            ("batch_infer", self.batch_infer.source if self.batch_infer else None)):
+            if source and source not in made:
+                stage = "ppo" if source == "policy_model" else "sft"
+                raise ValueError(f"stages.{key}.source is {source} but stages.{stage} is null; use one of "
+                                 f"{', '.join(sorted(made))}")
+        if self.batch_infer is not None and self.batch_infer.score.reward_model and reward is None:
+            raise ValueError("stages.batch_infer.score.reward_model is true but stages.reward is null; set it to false")
+        if self.tune is not None and getattr(self, self.tune.target) is None:
+            raise ValueError(f"stages.tune.target is {self.tune.target} but stages.{self.tune.target} is null")
+        return self
+
+    def present(self) -> list[str]:
+        """The optional training stages this pipeline runs."""
+        return [name for name in ("sft", "reward", "ppo") if getattr(self, name) is not None]
 
 
 class PipelineConfig(Section):
@@ -132,7 +168,7 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _tune_fits_its_target(self) -> "PipelineConfig":
         tune = self.stages.tune
-        for name in ("sft", "reward", "ppo"):
+        for name in self.stages.present():
             if getattr(self.stages, name).use_tuned and (tune is None or tune.target != name):
                 raise ValueError(f"stages.{name}.use_tuned: there is no sweep over {name} to take values from; add "
                                  f"stages.tune with target: {name}, or set use_tuned: false")
@@ -157,7 +193,7 @@ class PipelineConfig(Section):
         if self.ray.address or os.environ.get("RAY_ADDRESS"):
             return self
         ppo, have = self.stages.ppo, self.ray.local_num_cpus()
-        if ppo.cpus_needed() > have:
+        if ppo is not None and ppo.cpus_needed() > have:
             raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
                              f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
                              "fewer engines or ranks, or raise ray.num_cpus")

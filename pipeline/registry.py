@@ -52,7 +52,11 @@ STAGES: tuple[StageSpec, ...] = (
               outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}")),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
-              outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})")),
+              outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})",
+                        # the eval_every curve, first point -> last (a template whose metrics are missing is left out)
+                        "curve accuracy {curve_accuracy_first:.3f} -> {curve_accuracy_last:.3f}",
+                        "reward {curve_reward_first:.3f} -> {curve_reward_last:.3f}, "
+                        "length {curve_length_first:.1f} -> {curve_length_last:.1f}")),
     # serve registers in the tracking server's model registry: another registry is another result.
     # `tracking_uri` is PipelineConfig's, without the password: another password is the same registry.
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),
@@ -62,15 +66,30 @@ STAGES: tuple[StageSpec, ...] = (
 )
 
 
+def _wired(spec: StageSpec, cfg: Any) -> StageSpec:
+    """A stage's inputs in this pipeline: serve reads its source model; without an sft stage RL starts from
+    the base model; without a reward stage PPO's critic starts from the policy's own start."""
+    stages = cfg.stages
+    if spec.name == "serve":
+        return replace(spec, inputs=(stages.serve.source,))
+    if spec.name == "ppo":
+        start = "sft_model" if stages.sft is not None else "base_model"
+        return replace(spec, inputs=(start, *(("reward_model",) if stages.reward is not None else ()), "prompt_data"))
+    if spec.name == "reward" and stages.sft is None:
+        return replace(spec, inputs=tuple(i for i in spec.inputs if i != "sft_model"))
+    return spec
+
+
 def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
-    """The stages of a pipeline config: STAGES with serve reading its configured source model, plus
+    """The stages of a pipeline config: STAGES without those set to null (their consumers rewired, `_wired`),
+    with serve reading its configured source model, plus
     the batch_infer stage when `stages.batch_infer` is set and the tune stage when `stages.tune` is.
 
     The tune stage reads what its target reads (it runs the target's code on the same artifacts)
     and the target's config section. A target with `use_tuned: true` also consumes the sweep's
     `best_config`, which places the sweep before it.
     """
-    stages = tuple(replace(s, inputs=(cfg.stages.serve.source,)) if s.name == "serve" else s for s in STAGES)
+    stages = tuple(_wired(s, cfg) for s in STAGES if s.name in ("model", "data", "serve") or getattr(cfg.stages, s.name) is not None)
     batch = cfg.stages.batch_infer
     if batch is not None:
         inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),

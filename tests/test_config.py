@@ -149,3 +149,39 @@ def test_unreachable_tracking_server_is_a_user_error(tmp_path):
     result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "mlflow.tracking_uri=http://127.0.0.1:1")
     assert result.returncode == 2 and "mlflow.tracking_uri: cannot reach" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides, graph, ppo_reads", [
+    ((), "model data sft reward ppo serve", ("sft_model", "reward_model", "prompt_data")),
+    (("stages.reward=null", "stages.ppo.algorithm=grpo", "stages.ppo.rewards.model_weight=0"),
+     "model data sft ppo serve", ("sft_model", "prompt_data")),
+    (("stages.reward=null", "stages.ppo.rewards.model_weight=0"),  # PPO's critic starts from the SFT model
+     "model data sft ppo serve", ("sft_model", "prompt_data")),
+    (("stages.ppo=null",), "model data sft reward serve", None),
+    (("stages.sft=null", "stages.reward.init_from=base"), "model data reward ppo serve",
+     ("base_model", "reward_model", "prompt_data")),
+    (("stages.sft=null", "stages.reward=null", "stages.ppo=null"), "model data serve", None),
+])
+def test_the_stage_graph_follows_the_config(tmp_path, overrides, graph, ppo_reads):
+    from pipeline.registry import stages_for
+
+    specs = {s.name: s for s in stages_for(smoke_config(tmp_path, *overrides))}
+    assert " ".join(specs) == graph
+    assert (specs["ppo"].inputs if "ppo" in specs else None) == ppo_reads
+    last = "policy_model" if "ppo" in specs else "sft_model" if "sft" in specs else "base_model"
+    assert specs["serve"].inputs == (last,)  # serve takes the last model trained unless told otherwise
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("stages.reward=null",), "stages.ppo.rewards.model_weight is 0.5 but stages.reward is null: there is no reward "
+                              "model to score with; set stages.ppo.rewards.model_weight: 0"),
+    (("stages.sft=null",), "stages.reward.init_from is sft but stages.sft is null; set stages.reward.init_from: base"),
+    (("stages.ppo=null", "stages.serve.source=policy_model"),
+     "stages.serve.source is policy_model but stages.ppo is null; use one of base_model, sft_model"),
+    (("stages.tune={target: reward, search_space: {lr: {choice: [0.001]}}}", "stages.reward=null",
+      "stages.ppo.rewards.model_weight=0"), "stages.tune.target is reward but stages.reward is null"),
+])
+def test_graphs_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides, message):
+    result = run_cli("validate", str(SMOKE), f"run_dir={tmp_path}", *overrides)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "artifacts").exists()

@@ -234,3 +234,23 @@ def test_the_same_conversations_in_every_format_write_the_same_parquet(ray_local
     rl = read(outputs["prompt_data"] / "train") + read(outputs["prompt_data"] / "eval")
     assert sorted((r["prompt"], r["answer"], json.loads(r["extra"])["level"]) for r in rl) == sorted(
         (u, r, i) for i, (_, u, r) in enumerate(convs))
+
+
+def test_a_users_eval_set_is_the_evaluation_and_kept_out_of_training(ray_local, run_dir, tracking_uri, tmp_path):
+    """`sources.eval`: the user's held-out prompts become the prompts' eval split exactly; a training row of
+    any kind that shares a prompt with them is held out (sft to its eval split, RL prompts not written)."""
+    prompts = [{"prompt": f"Capital of country {i}?", "answer": f"city{i}"} for i in range(30)]
+    evals = [{"question": f"Capital of country {i}?", "final": f"city{i}"} for i in (3, 7)]  # also in training files
+    evals += [{"question": f"Capital of island {i}?", "final": f"port{i}"} for i in range(8)]
+    sft = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+           for r in prompts]
+    for name, rows in (("prompts", prompts), ("eval", evals), ("sft", sft)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outputs, m = run_data(run_dir, tracking_uri, *UNSET_GENERATE, f"stages.data.sources.prompts=[{tmp_path / 'prompts.jsonl'}]",
+                          f"stages.data.sources.sft=[{tmp_path / 'sft.jsonl'}]",
+                          f"stages.data.sources.eval=[{{path: {tmp_path / 'eval.jsonl'}, columns: {{prompt: question, answer: final}}}}]")
+    held = {r["question"] for r in evals}
+    assert {r["prompt"] for r in read(outputs["prompt_data"] / "eval")} == held
+    train = {r["prompt"] for r in read(outputs["prompt_data"] / "train")}
+    assert train == {r["prompt"] for r in prompts} - held and m["prompts_rows_in_eval_set"] == 2
+    assert not ({r["prompt"] for r in read(outputs["sft_data"] / "train")} & held)

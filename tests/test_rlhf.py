@@ -68,3 +68,10 @@ def test_rl_on_the_reward_model_alone_raises_the_gold_preference(tmp_path):
     assert sorted({s for s, _ in spread}) == list(range(1, 7)) and all(v > 0 for _, v in spread), spread
     assert [s for s, _ in _metric_history(run_dir, ppo_run, "heldout_rm_spread")] == [0, 3, 6]
     assert (Path(stages["ppo"]["artifact"]) / "overoptimisation.png").stat().st_size > 1000
+    # The curve also tracks correctness (task.verifier) and response length, and the run summary shows the
+    # curve's first -> last point.
+    assert [s for s, _ in _metric_history(run_dir, ppo_run, "heldout_accuracy")] == [0, 3, 6]
+    length = _metric_history(run_dir, ppo_run, "heldout_length")
+    assert [s for s, _ in length] == [0, 3, 6] and all(v > 0 for _, v in length), length
+    assert (rl["curve_length_first"], rl["curve_length_last"]) == pytest.approx((length[0][1], length[-1][1]))
+    assert "curve accuracy" in done.stderr and f"length {rl['curve_length_first']:.1f} -> " in done.stderr

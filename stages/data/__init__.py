@@ -31,7 +31,7 @@ from pipeline import console, storage
 from pipeline.errors import DataError
 from pipeline.schema import Section
 from pipeline.stage import StageContext
-from stages.data.formats import KINDS, RowError, classify_row, locate_problem
+from stages.data.formats import KINDS, RowError, check_row, classify_row, locate_problem
 from stages.data.sources import SourceConfig, SourcesConfig, read_source, resolve_format
 
 
@@ -173,18 +173,34 @@ def _raw_rows(batch, json_text: bool) -> list[dict | str]:
     return out
 
 
+def split_with_eval(kind: str, group: str, seed: int, eval_fraction: float, eval_groups: frozenset | None) -> str:
+    """A row's split. Without a user's eval set: the seeded hash of its group. With one (`eval_groups`): the
+    eval rows are the prompts' eval split, every row sharing a group with them is held out of training
+    (sft and preference rows go to their eval split; prompt rows are not written), and the other prompt rows
+    all train, since the user's set is the evaluation."""
+    if kind == "eval":
+        return "eval"
+    if eval_groups is None:
+        return split_of(group, seed, eval_fraction)
+    if group in eval_groups:
+        return "in_eval_set" if kind == "prompts" else "eval"
+    return "train" if kind == "prompts" else split_of(group, seed, eval_fraction)
+
+
 def _validate_batch(batch, kind: str, source: str, fmt: str, columns: dict, json_text: bool, seed: int,
-                    eval_fraction: float):
+                    eval_fraction: float, eval_groups: frozenset | None = None):
     """Raw rows -> one uniform schema (kind, key, split, order, payload JSON, code, error, source)."""
     import pyarrow as pa
 
     out: dict[str, list] = {c: [] for c in ("kind", "key", "split", "order", "payload", "code", "error", "source")}
+    rows_kind = "prompts" if kind == "eval" else kind  # a user's eval rows are prompt rows
     for row in _raw_rows(batch, json_text):
-        good, code, error = (None, "invalid_json", row) if isinstance(row, str) else classify_row(kind, row, fmt, columns)
+        good, code, error = ((None, "invalid_json", row) if isinstance(row, str)
+                             else classify_row(rows_kind, row, fmt, columns))
         payload = json.dumps(good, sort_keys=True) if good else ""
         out["kind"].append(kind)
         out["key"].append(good["key"] if good else "")
-        out["split"].append(split_of(good["group"], seed, eval_fraction) if good else "")
+        out["split"].append(split_with_eval(kind, good["group"], seed, eval_fraction, eval_groups) if good else "")
         out["order"].append(shuffle_key(payload, seed))
         out["payload"].append(payload)
         out["code"].append(code)
@@ -193,7 +209,7 @@ def _validate_batch(batch, kind: str, source: str, fmt: str, columns: dict, json
     return pa.table(out)
 
 
-def _read(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: int):
+def _read(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: int, eval_groups: frozenset | None = None):
     """A lazy Ray dataset of validated rows from one source or from generated rows."""
     import ray.data
 
@@ -204,7 +220,8 @@ def _read(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: i
         parts, name, fmt, columns = read_source(source), source.path, source.format, source.columns
     validated = [ds.map_batches(_validate_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                                 fn_kwargs={"kind": kind, "source": name, "fmt": fmt, "columns": columns,
-                                           "json_text": json_text, "seed": seed, "eval_fraction": cfg.eval_fraction})
+                                           "json_text": json_text, "seed": seed, "eval_fraction": cfg.eval_fraction,
+                                           "eval_groups": eval_groups})
                  for ds, json_text in parts]
     return validated[0].union(*validated[1:]) if len(validated) > 1 else validated[0]
 
@@ -298,6 +315,8 @@ class Tokenize:
         for kind, split, payload in zip(batch["kind"].to_pylist(), batch["split"].to_pylist(),
                                         batch["payload"].to_pylist()):
             try:
+                if kind == "eval":  # the user's eval set: prompt rows, in the prompts' eval split
+                    kind = "prompts"
                 out, fits = self._row(kind, json.loads(payload))
                 rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}"})
             except RowError as exc:
@@ -327,7 +346,7 @@ def _pack_batch(batch, max_len: int):
 def raw_inputs(pcfg) -> list[Path]:
     """Files whose contents are part of this stage's cache key."""
     s = pcfg.stages.data.sources
-    return [f for kind in KINDS for src in getattr(s, kind) for f in src.files()]
+    return [f for kind in (*KINDS, "eval") for src in getattr(s, kind) for f in src.files()]
 
 
 def _sources(cfg: DataConfig, pcfg) -> list[tuple[str, SourceConfig | list[dict]]]:
@@ -342,7 +361,25 @@ def _sources(cfg: DataConfig, pcfg) -> list[tuple[str, SourceConfig | list[dict]
         own = getattr(cfg.sources, kind)
         n = 0 if own else cfg.generate.count(kind, cfg.sources)
         out += [(kind, src) for src in own] + ([(kind, make[kind](n, pcfg.seed, pcfg.task))] if n else [])
-    return out
+    return out + [("eval", src) for src in cfg.sources.eval]
+
+
+def eval_groups(cfg: DataConfig) -> frozenset | None:
+    """The groups (prompts) of the user's own eval set, read on the driver (an eval set is small), or None."""
+    from stages.data.sources import records
+
+    if not cfg.sources.eval:
+        return None
+    groups = set()
+    for src in cfg.sources.eval:
+        fmt = src.format
+        for row in records(src):
+            good, _ = check_row("prompts", row, fmt, src.columns)
+            if good:
+                groups.add(good["group"])
+    if not groups:
+        raise DataError("stages.data.sources.eval: no usable rows (they need a 'prompt'; map yours with `columns:`)")
+    return frozenset(groups)
 
 
 def _locate(kind: str, src: SourceConfig, parse_only: bool = False) -> str | None:
@@ -351,12 +388,14 @@ def _locate(kind: str, src: SourceConfig, parse_only: bool = False) -> str | Non
 
     if is_hf_dataset(Path(src.path)):
         return None
+    kind = "prompts" if kind == "eval" else kind
     fmt = "auto" if parse_only else resolve_format(kind, src)
     return next(filter(None, (locate_problem(f, kind, fmt, src.columns, parse_only) for f in src.files())), None)
 
 
 def _format_note(kind: str, src: SourceConfig) -> str:
     """What the progress line says about a source's format: as set, or what its first record looks like."""
+    kind = "prompts" if kind == "eval" else kind
     if src.format != "auto":
         return f"format {src.format}"
     try:
@@ -367,10 +406,12 @@ def _format_note(kind: str, src: SourceConfig) -> str:
 
 def _checked(sources, cfg: DataConfig, pcfg, progress):
     """Read and validate all sources into one materialised dataset; name the source on read errors."""
-    parts = []
+    parts, held_out = [], eval_groups(cfg)
+    if held_out is not None:
+        progress(f"eval: {len(held_out)} prompts of your own held out of every training split")
     for kind, src in sources:
         try:
-            parts.append(_read(kind, src, cfg, pcfg.seed))
+            parts.append(_read(kind, src, cfg, pcfg.seed, held_out))
         except ValueError as exc:  # a source's columns fit no format, a missing split, an unparsable JSON array
             raise DataError(f"stages.data.sources.{kind}: {exc}") from None
         progress(f"{kind}: {len(src)} generated rows" if isinstance(src, list) else
@@ -510,11 +551,18 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
                             f"{_first_invalid(tokens, kind)} (or set stages.data.on_bad_rows=drop to skip and count them)")
         reasons = {code: bad.get((kind, code), 0) + late.get(code, 0) for code in sorted({c for k, c in bad if k == kind} | set(late))}
         metrics |= {f"{kind}_rows_bad": sum(reasons.values()), **{f"{kind}_rows_bad_{c}": n for c, n in reasons.items()},
-                    f"{kind}_rows_duplicate": valid.get((kind,), 0) - unique,
+                    f"{kind}_rows_duplicate": valid.get((kind,), 0) + (valid.get(("eval",), 0) if kind == "prompts" else 0)
+                    - unique,
                     f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
         for split in ("train", "eval"):
             rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split, ctx.storage)
             metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
+        if kind == "prompts" and cfg.sources.eval:  # the user's eval set: its own counts
+            metrics |= {"eval_rows_bad": sum(n for (k, _), n in bad.items() if k == "eval"),
+                        "prompts_rows_in_eval_set": per_kind.get(("prompts", "in_eval_set"), 0)}
+            if not metrics["prompts_eval_rows"]:
+                raise DataError(f"stages.data.sources.eval: no eval rows left ({metrics['eval_rows_bad']} invalid); "
+                                f"the first invalid row: {_first_error(checked, 'eval')}")
         _check_not_empty(kind, metrics, had_input=any(k == kind for k, _ in sources),
                          first_reason=lambda k: _first_error(checked, k))
         (ctx.out_dir / kind / "meta.json").write_text(json.dumps({

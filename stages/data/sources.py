@@ -121,28 +121,33 @@ class SourcesConfig(Section):
                                            "(text or message lists, TRL's shape).")
     prompts: list[SourceConfig] = Field([], description="RL prompts: `prompt` (+ optional `answer`; other columns are "
                                         "kept for reward functions).")
+    eval: list[SourceConfig] = Field([], description="Your own held-out prompts (the prompts format): they become "
+                                     "the prompts' eval split that SFT's accuracy and PPO's evaluation and eval_every "
+                                     "curve score, and every row of any kind sharing a prompt (group) with them is "
+                                     "kept out of training.")
 
-    @field_validator("sft", "preference", "prompts", mode="before")
+    @field_validator("sft", "preference", "prompts", "eval", mode="before")
     @classmethod
     def _paths_are_sources(cls, v):
         return source_list(v)
 
     @model_validator(mode="after")
     def _formats_fit_kinds(self) -> "SourcesConfig":
-        for kind in KINDS:
+        for kind in (*KINDS, "eval"):
+            rows = "prompts" if kind == "eval" else kind  # eval rows are prompt rows
             for i, src in enumerate(getattr(self, kind)):
                 where = f"stages.data.sources.{kind}[{i}]"
-                if src.format != "auto" and src.format not in FORMATS[kind]:
+                if src.format != "auto" and src.format not in FORMATS[rows]:
                     raise ValueError(f"{where}.format: {src.format!r} is not a {kind} format; use auto or "
-                                     f"{', '.join(FORMATS[kind])}")
-                unknown = sorted(set(src.columns) - set(CANONICAL[kind]))
+                                     f"{', '.join(FORMATS[rows])}")
+                unknown = sorted(set(src.columns) - set(CANONICAL[rows]))
                 if unknown:
                     raise ValueError(f"{where}.columns: {', '.join(unknown)} not a {kind} column; the keys are ours "
-                                     f"({', '.join(CANONICAL[kind])}) and the values yours, e.g. {{prompt: question}}")
+                                     f"({', '.join(CANONICAL[rows])}) and the values yours, e.g. {{prompt: question}}")
         return self
 
     def any(self) -> bool:
-        return any(getattr(self, k) for k in KINDS)
+        return any(getattr(self, k) for k in (*KINDS, "eval"))
 
 
 # --------------------------------------------------------------------------- reading
@@ -222,3 +227,14 @@ def read_source(src: SourceConfig) -> list[tuple[object, bool]]:
                 if f not in lines:  # a JSON array is one document: any reader parses it whole, so the driver does
                     parts.append((ray.data.from_items(json_array_records(f)), True))
     return parts
+
+
+def records(src: SourceConfig):
+    """A source's raw records on the driver, in file order (parse errors are skipped: the Ray pass counts them)."""
+    if is_hf_dataset(Path(src.path)):
+        yield from load_hf(src)
+        return
+    for f in src.files():
+        for _, row in iter_rows(f):
+            if isinstance(row, dict):
+                yield row

@@ -149,7 +149,10 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     from stages.common.verifiers import verifier_function
     from stages.ppo.scoring import rule_reward
 
-    sft, rm_dir, data = ctx.inputs["sft_model"], ctx.inputs["reward_model"], ctx.inputs["prompt_data"]
+    # The policy starts from the SFT model (the base model in a pipeline without sft); the critic from the
+    # reward model's backbone, or from the policy's start in a pipeline without a reward stage.
+    sft = ctx.inputs.get("sft_model") or ctx.inputs["base_model"]
+    rm_dir, data = ctx.inputs.get("reward_model") or sft, ctx.inputs["prompt_data"]
     train_rows, eval_rows = _read_prompts(data / "train"), _read_prompts(data / "eval")[: cfg.eval_prompts]
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
@@ -365,10 +368,15 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     point = {"iteration": it, "kl": kl, "reward": mean(scores), "proxy": mean(raw) if raw else None,
              "gold": mean([float(s.gold(r["prompt"], t)) for t, r in zip(texts, reps)]) if s.gold else None,
-             "rm_spread": mean(spread) if spread else None}
+             "rm_spread": mean(spread) if spread else None,
+             "accuracy": mean([float(s.verify(t, r.get("answer") or "")) for t, r in zip(texts, reps)])
+             if s.verify and any(r.get("answer") for r in rows) else None,
+             "length": mean([float(len(x["ids"])) for x in flat])}
     trend["curve"].append(point)
     ctx.log_metrics({f"heldout_{k}": v for k, v in point.items() if k != "iteration" and v is not None}, step=it)
     ctx.progress(f"held-out curve at iteration {it}: kl {kl:.3f}, reward {point['reward']:.3f}"
+                 + (f", accuracy {point['accuracy']:.3f}" if point["accuracy"] is not None else "")
+                 + f", length {point['length']:.1f}"
                  + (f", proxy {point['proxy']:.3f}" if raw else "") + (f", gold {point['gold']:.3f}" if s.gold else ""))
 
 
@@ -380,7 +388,7 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     """Export the trained policy as an HF model, and score it on the held-out prompts against `before`."""
     import ray
 
-    from stages.ppo.scoring import compare, evaluate, gold_win_rate, plot_curve, slope
+    from stages.ppo.scoring import compare, curve_ends, evaluate, gold_win_rate, plot_curve, slope
 
     out = ctx.out_dir / "model"
     ray.get(s.role("policy").run("save_hf", str(out)))
@@ -396,6 +404,7 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     if trend["reward"]:  # the run's learning curve in two numbers (over every iteration, resumed ones too)
         final.update(reward_slope=slope(trend["reward"]), kl_max=max(trend["kl"]))
     if trend["curve"]:  # the over-optimisation curve as one picture on the stage's run
+        final.update(curve_ends(trend["curve"]))
         plot = ctx.out_dir / "overoptimisation.png"
         plot_curve(trend["curve"], plot)
         ctx.log_artifact(plot)

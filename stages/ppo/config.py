@@ -202,10 +202,12 @@ class PPOConfig(Section):
     eval_prompts: int | None = Field(None, ge=0, description="Held-out prompts scored before and after PPO "
                                      "(empty: every held-out prompt; 0: skip).")
     eval_every: int | None = Field(None, ge=1, description="Every N iterations (and before the first): the "
-                                   "over-optimisation curve on `curve_prompts` held-out prompts: mean reward-model "
-                                   "score (the proxy), mean training reward, mean gold score (with task.preference."
-                                   "gold) and KL to the reference per response, logged as heldout_* metrics and, at "
-                                   "the end, as the plot overoptimisation.png (gold and proxy against KL). Empty: off.")
+                                   "held-out curve on `curve_prompts` held-out prompts (your own with "
+                                   "stages.data.sources.eval): accuracy (task.verifier), mean training reward, "
+                                   "response length, mean reward-model score (the proxy), mean gold score (with "
+                                   "task.preference.gold) and KL to the reference per response, logged as heldout_* "
+                                   "metrics, first -> last in the run summary and, at the end, as the plot "
+                                   "overoptimisation.png (gold and proxy against KL). Empty: off.")
     curve_prompts: int = Field(64, ge=1, description="Held-out prompts each point of the eval_every curve samples.")
     curve_samples: int = Field(4, ge=1, description="Samples per prompt at each point of the eval_every curve.")
     log_samples: int = Field(4, ge=0, description="Sampled completions (with prompt, answer and reward) attached to "

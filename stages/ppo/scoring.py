@@ -240,3 +240,11 @@ def plot_curve(points: list[dict], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def curve_ends(curve: list[dict]) -> dict[str, float]:
+    """The eval_every curve's first and last points as `curve_<measure>_first` / `_last` (accuracy, reward,
+    response length, gold, proxy, KL): the run summary's "first -> last" of the held-out curve."""
+    first, last = curve[0], curve[-1]
+    return {f"curve_{k}_{end}": float(p[k]) for k in ("accuracy", "reward", "length", "gold", "proxy", "kl")
+            for end, p in (("first", first), ("last", last)) if p.get(k) is not None}
