@@ -20,7 +20,7 @@ from pipeline.errors import ConfigError, UserError
         (["stages.ppo.reward.cpus_per_rank=5", "stages.ppo.rewards.model_weight=0.5", "ray.num_cpus=8"],
          "need 11 logical CPUs but the local Ray has 8"),
         (["stages.ppo.kl.estimator=k4"], "stages.ppo.kl.estimator: input should be 'k1', 'k2' or 'k3'"),
-        (["stages.ppo.rewards.rule=nonsense"], "stages.ppo.rewards.rule: must be 'verifier' or 'module:function'"),
+        (["stages.ppo.rewards.rule=nonsense"], "stages.ppo.rewards.rule: must be 'verifier', 'code_tests' or 'module:function'"),
         (["stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0"], "nothing would reward the policy"),
         (["stages.ppo.policy.deepspeed.zero_stage=4"], "stages.ppo.policy.deepspeed.zero_stage: input should be 0, 1, 2 or 3"),
         (["stages.ppo.reference.colocate=true", "stages.ppo.reference.deepspeed.zero_stage=3"],

@@ -78,7 +78,7 @@ class _Session:
     `close()` ends every actor it holds, whatever happened (the stage calls it in `finally`)."""
 
     tok: Any
-    rule: Callable[[str, str, str], float]
+    rule: Any  # stages.ppo.rewards.RuleReward: .scores(texts, rows), .counts(), .close()
     train_rows: list[dict]
     eval_rows: list[dict]
     gold: Callable[[str, str], float] | None = None  # task.preference.gold: the judge no stage trains on
@@ -92,6 +92,8 @@ class _Session:
         return self.groups.get(name)
 
     def close(self) -> None:
+        if hasattr(self.rule, "close"):  # the rule reward's Ray workers, if it has any
+            self.rule.close()
         if self.pool is not None:
             self.pool.shutdown()
         for g in self.groups.values():
@@ -157,7 +159,7 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
-    rule = rule_reward(cfg.rewards.rule, ctx.pipeline.task.verifier)
+    rule = rule_reward(cfg.rewards.rule, ctx.pipeline.task.verifier, cfg.rewards, ctx.progress)
     # Loading the tokenizer (importing transformers, ~4 s of CPU) overlaps Ray's start-up, which mostly
     # waits on the daemons it spawns. ctx.ray() stays on the main thread (it installs a signal handler).
     with ThreadPoolExecutor(1) as loader:
@@ -437,8 +439,12 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
 
 
 def configured_code(cfg: PPOConfig) -> list[str]:
-    """A custom rule reward's module (`rewards.rule: module:function`): editing it reruns ppo."""
-    return [cfg.rewards.rule.split(":", 1)[0]] if ":" in cfg.rewards.rule else []
+    """A custom rule reward's module (`rewards.rule: module:function`, or code_tests' sandbox): editing it
+    reruns ppo."""
+    from stages.ppo.rewards import BUILTIN
+
+    rule = BUILTIN.get(cfg.rewards.rule, cfg.rewards.rule)
+    return [rule.split(":", 1)[0]] if ":" in rule else []
 
 
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
@@ -554,6 +560,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
                 **({"rm_score_mean": sum(rm_scores) / len(rm_scores)} if rm_scores else {}),
                 **({"rm_spread_mean": sum(rm_spread) / len(rm_spread)} if rm_spread else {}),  # heads' disagreement
                 **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(texts, rows)) / len(rows)} if s.gold else {}),
+                **s.rule.counts(),  # rule_timeouts, rule_errors: calls of the rule reward that scored timeout_score
             }
             ctx.log_metrics(metrics, step=it + 1)
             trend["reward"].append(metrics["reward_mean"])

@@ -130,8 +130,17 @@ class RewardMix(Section):
 
     model_weight: float = Field(0.0, description="Weight of the reward model's score (0: the reward model is not loaded).")
     rule_weight: float = Field(1.0, description="Weight of the rule reward.")
-    rule: str = Field("verifier", description="'verifier' (1 if the task verifier accepts the answer, else 0) or "
-                      "'module:function' taking (prompt, response, answer) and returning a float.")
+    rule: str = Field("verifier", description="'verifier' (1 if the task verifier, task.verifier, accepts the "
+                      "answer, else 0), 'code_tests' (the response's Python run against the row's `test_list` / "
+                      "`tests` in a sandbox: 1 if every test passes) or 'module:function' naming any of prompt, "
+                      "response, answer, row or your prompt columns as parameters (may be async) and returning a "
+                      "float (stages/ppo/rewards.py).")
+    workers: int = Field(2, ge=1, description="Ray actors that run a 'module:function' or code_tests rule reward "
+                         "in parallel (the verifier runs in the driver).")
+    timeout_s: float = Field(30.0, gt=0, description="Per call of a 'module:function' or code_tests rule reward: "
+                             "a call still running after this scores timeout_score and is counted (rule_timeouts).")
+    timeout_score: float = Field(0.0, description="The rule reward of a call that timed out or raised "
+                                 "(rule_timeouts / rule_errors per iteration in MLflow).")
     normalize: bool = Field(False, description="Standardise the reward model's scores by the running mean and std "
                             "of every training batch's scores so far (then weighted by model_weight): the proxy's "
                             "scale no longer depends on how far Bradley-Terry training spread its logits.")
@@ -150,8 +159,8 @@ class RewardMix(Section):
     @field_validator("rule")
     @classmethod
     def _rule_form(cls, v: str) -> str:
-        if v != "verifier" and (":" not in v or not all(v.split(":", 1))):
-            raise ValueError(f"must be 'verifier' or 'module:function', got {v!r}")
+        if v not in ("verifier", "code_tests") and (":" not in v or not all(v.split(":", 1))):
+            raise ValueError(f"must be 'verifier', 'code_tests' or 'module:function', got {v!r}")
         return v
 
     @model_validator(mode="after")

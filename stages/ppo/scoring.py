@@ -15,16 +15,14 @@ import math
 from stages.ppo.config import PPOConfig
 
 
-def rule_reward(spec: str, verifier: str = "number"):
-    """The rule reward as a function (prompt, response, answer) -> float: `verifier` is the task's verifier
-    (`task.verifier`), 1.0 when it accepts the answer."""
-    from stages.common.tasks import load_function
-    from stages.common.verifiers import verifier_function
+def rule_reward(spec: str, verifier: str = "number", rewards=None, log=print):
+    """The rule reward (`stages.ppo.rewards.rule`) as a `RuleReward`: `.scores(texts, rows)` for a batch,
+    callable as (prompt, response, answer) -> float for one; `verifier` is the task's (`task.verifier`)."""
+    from stages.ppo.rewards import RuleReward
 
-    if spec == "verifier":
-        verify = verifier_function(verifier)
-        return lambda prompt, response, answer: float(verify(response, answer))
-    return load_function(spec, "stages.ppo.rewards.rule", "'verifier' or an importable 'module:function'")
+    if rewards is None:
+        return RuleReward(spec, verifier, log=log)
+    return RuleReward(spec, verifier, rewards.workers, rewards.timeout_s, rewards.timeout_score, log=log)
 
 
 class RunningMoments:
@@ -88,7 +86,7 @@ def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule
 
     from stages.common.training import ensemble_score, head_spread
 
-    rule_scores = [float(rule(r["prompt"], t, r.get("answer") or "")) for t, r in zip(texts, rows)]
+    rule_scores = [float(x) for x in rule.scores(texts, rows)]
     scores = [cfg.rewards.rule_weight * s for s in rule_scores]
     raw: list[float] = []
     spread: list[float] = []
