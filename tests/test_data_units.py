@@ -105,3 +105,29 @@ def test_parquet_footer_readers_are_capped_at_the_file_count(tmp_path, monkeypat
     monkeypatch.setenv(parquet.ENV, "7")  # the user's own setting wins
     parquet.read_parquet(tmp_path / "d")
     assert seen[-1][1] == "7" and os.environ[parquet.ENV] == "7"
+
+
+def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
+    """A conversation with `tool_calls` is kept only where the model's chat template renders them: the built-in
+    ChatML template does not, so such a row is refused with its reason, never trained with the call dropped."""
+    import pytest
+
+    from stages.data import Tokenize
+    from stages.data.formats import RowError
+
+    tokenizer.save_pretrained(tmp_path)
+    tok = Tokenize(str(tmp_path), 256, None)
+    call = [{"role": "user", "content": "2 + 2?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "calc", "arguments": {"expr": "2 + 2"}}}]},
+            {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]
+    with pytest.raises(RowError, match="does not render tool_calls") as exc:
+        tok._conversation(call)
+    assert exc.value.code == "template_ignores_tools"
+    # a template that renders tool calls keeps them, with the call's tokens trained as the assistant's
+    tok.tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                             "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}</call>{% endfor %}"
+                             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    ids, mask = tok._conversation(call)
+    trained = tok.tok.decode([t for t, m in zip(ids, mask) if m])
+    assert "<call>calc</call>" in trained and "2 + 2?" not in trained
