@@ -113,14 +113,18 @@ def _parser() -> argparse.ArgumentParser:
 def _print_plan(plan, console) -> None:
     from rich.table import Table
 
-    table = Table("#", "stage", "reads", "status", "key", "why")
+    table = Table("#", "stage", "status", "key", "why")
     colour = {"hit": "green", "miss": "yellow", "skip": "dim"}
     for i, p in enumerate(plan, 1):
         why = p.reason if p.status != "skip" else f"not selected ({'done' if p.finished else 'not done'})"
-        table.add_row(str(i), p.spec.name, ", ".join(p.spec.inputs) or "-", f"[{colour[p.status]}]{p.status}[/]",
-                      p.key or "(not yet known)", why)
+        table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key or "(not yet known)", why)
     console.print(table)
+    # The graph this config makes (null stages left out, consumers rewired): below the table, which stays
+    # narrow enough that its reasons do not wrap.
     console.print("graph: " + " -> ".join(p.spec.name for p in plan))
+    for p in plan:
+        if p.spec.inputs:
+            console.print(f"  {p.spec.name} reads {', '.join(p.spec.inputs)}")
 
 
 def _default_model(cfg) -> str:

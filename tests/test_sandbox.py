@@ -1,4 +1,4 @@
-"""The code-execution sandbox (stages/common/sandbox.py): MBPP-style rows score 1 for a correct solution and 0
+"""The code-execution sandbox (stages/ppo/sandbox.py): MBPP-style rows score 1 for a correct solution and 0
 for a wrong one, and hostile responses (a busy loop, a sleep, a fork bomb, a daemon, writes outside the working
 directory, a socket, 50 MB of output, a 2 GB allocation) score 0 within the wall clock plus a small margin and
 leave no process behind. Every isolation tier this machine has is run (PIPELINE_SANDBOX forces one), on the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.common import sandbox
-from stages.common.sandbox import SandboxLimits, code_tests, extract_code, run_python
+from stages.ppo import sandbox
+from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
 
 SAMPLE = [json.loads(line) for line in (Path(__file__).parent / "helpers" / "mbpp_sample.jsonl").open()]
 LIMITS = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, output_bytes=65536, processes=8)

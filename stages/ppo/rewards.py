@@ -3,7 +3,7 @@
 - `verifier` (the default): the task's verifier (`task.verifier`), in the driver: a pure function of the
   response and the row's `answer`, fast and ours, so it needs no isolation.
 - `code_tests`: the response's Python code run against the row's test cases (`test_list` / `tests`) in
-  the sandbox of `stages.common.sandbox` (a separate process with CPU, memory, output and time limits).
+  the sandbox of `stages.ppo.sandbox` (a separate process with CPU, memory, output and time limits).
 - `module:function`: your function, called with the arguments it names (below), on `rewards.workers` Ray
   actors in parallel, each call with a timeout (`rewards.timeout_s`): a call that times out scores
   `rewards.timeout_score`, one that raises scores it too, and both are counted (`rule_timeouts`,
@@ -33,7 +33,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
-BUILTIN = {"code_tests": "stages.common.sandbox:code_tests"}
+BUILTIN = {"code_tests": "stages.ppo.sandbox:code_tests"}
 FIXED = ("prompt", "response", "completion", "answer", "row")
 
 
@@ -156,7 +156,7 @@ class RuleReward:
             self._local = lambda prompt, response, row: float(verify(response, row.get("answer") or ""))
         else:
             if self.spec == "code_tests":  # say how untrusted code is isolated here (a weak fallback shows)
-                from stages.common.sandbox import interpreter, isolation
+                from stages.ppo.sandbox import interpreter, isolation
 
                 self.log(f"code_tests: responses run sandboxed ({isolation()}, {interpreter()})")
             self.spec = BUILTIN.get(self.spec, self.spec)

@@ -86,7 +86,8 @@ def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule
 
     from stages.common.training import ensemble_score, head_spread
 
-    rule_scores = [float(x) for x in rule.scores(texts, rows)]
+    rule_scores = ([float(x) for x in rule.scores(texts, rows)] if hasattr(rule, "scores")  # a RuleReward
+                   else [float(rule(r["prompt"], t, r.get("answer") or "")) for t, r in zip(texts, rows)])
     scores = [cfg.rewards.rule_weight * s for s in rule_scores]
     raw: list[float] = []
     spread: list[float] = []
