@@ -143,7 +143,8 @@ class RuleReward:
     timeout_s: float = 30.0
     timeout_score: float = 0.0
     log: Callable[[str], None] = print
-    _local: Callable | None = None
+    _local: Callable | None = None  # the verifier, in this process
+    _bound: Callable | None = None  # a user's function as loaded here (to fail fast, and for one-off calls)
     _actors: list = field(default_factory=list)
     _counts: dict = field(default_factory=lambda: {"rule_timeouts": 0, "rule_errors": 0})
     _reported: bool = False
@@ -162,8 +163,8 @@ class RuleReward:
             self.spec = BUILTIN.get(self.spec, self.spec)
             from stages.common.tasks import load_function  # fail fast here, with the config key, not in a worker
 
-            load_function(self.spec, "stages.ppo.rewards.rule", "'verifier', 'code_tests' or an importable "
-                          "'module:function'")
+            self._bound = bind(load_function(self.spec, "stages.ppo.rewards.rule", "'verifier', 'code_tests' or "
+                                             "an importable 'module:function'"))
 
     def _start(self, n: int) -> list:
         import ray
@@ -202,11 +203,7 @@ class RuleReward:
 
     def __call__(self, prompt: str, response: str, answer: str) -> float:
         """One response, scored in this process without the workers or a timeout (a one-off check)."""
-        if self._local is not None:
-            return self._local(prompt, response, {"prompt": prompt, "answer": answer})
-        from stages.common.tasks import load_function
-
-        call = bind(load_function(self.spec, "stages.ppo.rewards.rule", "an importable 'module:function'"))
+        call = self._local if self._local is not None else self._bound
         return float(call(prompt, response, {"prompt": prompt, "answer": answer}))
 
     def counts(self) -> dict[str, int]:
