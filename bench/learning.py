@@ -44,12 +44,14 @@ def used_memory_gib() -> float:
     return (kib("MemTotal") - kib("MemAvailable")) / 2**20
 
 
-def run_pipeline(config: Path, run_dir: Path, seed: int, algorithm: str, overrides: list[str]) -> dict:
-    """One `pipeline run --to ppo --json` in a subprocess (as a user runs it); its JSON summary, plus the
-    invocation's wall time and the peak of the machine's used memory above what was in use before it."""
-    cmd = [sys.executable, "-m", "pipeline", "run", str(config), "--to", "ppo", "--json", f"seed={seed}",
-           f"run_dir={run_dir}", f"stages.ppo.algorithm={algorithm}", *overrides]
-    print(f"[seed {seed} {algorithm}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+def run_pipeline(config: Path, run_dir: Path, seed: int, algorithm: str | None, overrides: list[str],
+                 to: str = "ppo") -> dict:
+    """One `pipeline run --to <to> --json` in a subprocess (as a user runs it); its JSON summary, plus the
+    invocation's wall time and the peak of the machine's used memory above what was in use before it.
+    `algorithm`: PPO's (None: the config's, or no ppo stage)."""
+    cmd = [sys.executable, "-m", "pipeline", "run", str(config), "--to", to, "--json", f"seed={seed}",
+           f"run_dir={run_dir}", *([f"stages.ppo.algorithm={algorithm}"] if algorithm else []), *overrides]
+    print(f"[seed {seed} {algorithm or to}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0, before = time.time(), used_memory_gib()
     with tempfile.TemporaryFile("w+") as out:  # a file, not a pipe: the loop below samples memory meanwhile
         proc, peak = subprocess.Popen(cmd, cwd=ROOT, stdout=out, text=True), before

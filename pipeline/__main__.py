@@ -133,7 +133,7 @@ def _default_model(cfg) -> str:
     return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
 
 
-VIEW_STAGES = ("sft", "reward", "ppo", "serve")  # stages whose headline metrics are runs-table columns
+VIEW_STAGES = ("sft", "reward", "dpo", "ppo", "serve")  # stages whose headline metrics are runs-table columns
 
 
 def ui_url(cfg, port: int) -> str:

@@ -29,6 +29,7 @@ from stages.batch_infer import BatchInferConfig
 from stages.common.models import ModelConfig
 from stages.common.tasks import TaskConfig
 from stages.data import DataConfig
+from stages.dpo import DPOConfig
 from stages.ppo import PPOConfig
 from stages.reward import RewardConfig
 from stages.serve import ServeConfig
@@ -88,6 +89,9 @@ class StagesConfig(Section):
     reward: RewardConfig | None = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + "
                                         "DeepSpeed); null: no reward model (RL on a rule reward alone; PPO's critic "
                                         "then starts from the SFT model).")
+    dpo: DPOConfig | None = Field(None, description="The dpo stage (Ray Train + DeepSpeed): DPO, IPO, SimPO or KTO "
+                                  "on the preference pairs, no reward model; empty: no such stage. Serve its model "
+                                  "with stages.serve.source: dpo_model.")
     ppo: PPOConfig | None = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed "
                                   "roles); null: no RL (serve takes the SFT model).")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="The serve stage (MLflow Model Registry + "
@@ -108,16 +112,20 @@ class StagesConfig(Section):
             raise ValueError(f"stages.ppo.rewards.model_weight is {ppo.rewards.model_weight:g} but stages.reward is "
                              "null: there is no reward model to score with; set stages.ppo.rewards.model_weight: 0 "
                              "(the rule reward alone) or configure stages.reward")
-        if reward is not None and sft is None and reward.init_from == "sft":
-            raise ValueError("stages.reward.init_from is sft but stages.sft is null; set stages.reward.init_from: base")
-        made = {"base_model", *(["sft_model"] if sft else []), *(["policy_model"] if ppo else [])}
+        for name in ("reward", "dpo"):
+            section = getattr(self, name)
+            if section is not None and sft is None and section.init_from == "sft":
+                raise ValueError(f"stages.{name}.init_from is sft but stages.sft is null; set stages.{name}.init_from: base")
+        dpo = self.dpo
+        made = {"base_model", *(["sft_model"] if sft else []), *(["policy_model"] if ppo else []),
+                *(["dpo_model"] if dpo else [])}
         if self.serve.source is None:  # the last model the pipeline trains (sections are frozen once validated)
-            last = "policy_model" if ppo else "sft_model" if sft else "base_model"
+            last = "policy_model" if ppo else "dpo_model" if dpo else "sft_model" if sft else "base_model"
             object.__setattr__(self, "serve", self.serve.model_copy(update={"source": last}))
         for key, source in (("serve", self.serve.source),
                             ("batch_infer", self.batch_infer.source if self.batch_infer else None)):
             if source and source not in made:
-                stage = "ppo" if source == "policy_model" else "sft"
+                stage = {"policy_model": "ppo", "dpo_model": "dpo"}.get(source, "sft")
                 raise ValueError(f"stages.{key}.source is {source} but stages.{stage} is null; use one of "
                                  f"{', '.join(sorted(made))}")
         if self.batch_infer is not None and self.batch_infer.score.reward_model and reward is None:
@@ -128,7 +136,7 @@ class StagesConfig(Section):
 
     def present(self) -> list[str]:
         """The optional training stages this pipeline runs."""
-        return [name for name in ("sft", "reward", "ppo") if getattr(self, name) is not None]
+        return [name for name in ("sft", "reward", "dpo", "ppo") if getattr(self, name) is not None]
 
 
 class PipelineConfig(Section):

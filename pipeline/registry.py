@@ -50,6 +50,11 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"), ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
               outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}")),
+    StageSpec("dpo", "stages.dpo", "stages.dpo", ("seed", "task.verifier"), ("base_model", "sft_model", "preference_data", "prompt_data"),
+              ("dpo_model",), "Ray Train + DeepSpeed ZeRO: DPO / IPO / SimPO / KTO on the preference pairs, no reward model",
+              outcomes=("implicit-reward accuracy {eval_reward_accuracy:.3f}",
+                        "accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
+                        "(sign test p={eval_accuracy_sign_test_p:.3g})")),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
               outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})",
@@ -68,14 +73,14 @@ STAGES: tuple[StageSpec, ...] = (
 
 def _wired(spec: StageSpec, cfg: Any) -> StageSpec:
     """A stage's inputs in this pipeline: serve reads its source model; without an sft stage RL starts from
-    the base model; without a reward stage PPO's critic starts from the policy's own start."""
+    the base model (so do the reward model and DPO); without a reward stage PPO's critic starts from the policy's own start."""
     stages = cfg.stages
     if spec.name == "serve":
         return replace(spec, inputs=(stages.serve.source,))
     if spec.name == "ppo":
         start = "sft_model" if stages.sft is not None else "base_model"
         return replace(spec, inputs=(start, *(("reward_model",) if stages.reward is not None else ()), "prompt_data"))
-    if spec.name == "reward" and stages.sft is None:
+    if spec.name in ("reward", "dpo") and stages.sft is None:
         return replace(spec, inputs=tuple(i for i in spec.inputs if i != "sft_model"))
     return spec
 

@@ -54,7 +54,7 @@ class ScoreConfig(Section):
 class BatchInferConfig(Section):
     """Offline generation over a prompts dataset with the served model's engine settings."""
 
-    source: Literal["policy_model", "sft_model", "base_model"] = Field(
+    source: Literal["policy_model", "dpo_model", "sft_model", "base_model"] = Field(
         "policy_model", description="Which pipeline model answers (as a stage; the CLI's --model overrides it).")
     prompts: Path | None = Field(None, description="A .jsonl or .parquet file (or a directory of .parquet files) "
                                  "with one prompt per row. Empty: the data stage's held-out prompts.")

@@ -121,9 +121,9 @@ class LimitsConfig(Section):
 class ServeConfig(Section):
     """The serve stage: registry, engine, endpoint."""
 
-    source: Literal["policy_model", "sft_model", "base_model"] | None = Field(
+    source: Literal["policy_model", "dpo_model", "sft_model", "base_model"] | None = Field(
         None, description="Which pipeline model to register and serve; empty: the last one the pipeline trains "
-        "(policy_model, or sft_model without a ppo stage, or base_model without either).")
+        "(policy_model; without a ppo stage dpo_model, then sft_model, then base_model).")
     registry: RegistryConfig = Field(default_factory=RegistryConfig, description="MLflow Model Registry settings.")
     model_id: str | None = Field(None, description="The model name clients send (`model`). Empty: registry.model_name.")
     deploy: bool = Field(True, description="Deploy and smoke-test the API; false: only register the model.")

@@ -196,34 +196,12 @@ def accuracy_warning(base: float, after: float, n: int, lr: float) -> str | None
 
 def engine_greedy(model_dirs: list[Path], prompt_ids: list[list[int]], max_new_tokens: int, seed: int,
                   storage=None) -> list[tuple[list[str], list[bool]]]:
-    """`greedy_generate` of each model, answered by a vLLM engine actor of its own: (texts, cut off)
-    per model. The engines start and answer concurrently and are shut down before this returns,
-    also on failure.
+    """`greedy_generate` of each model, answered by a vLLM engine actor of its own
+    (`stages.common.evaluation.engine_answers`): (texts, cut off) per model."""
+    from stages.common.evaluation import engine_answers
 
-    The engine is the ppo stage's rollout actor (`stages.common.engines`), reused as is: the same
-    settings (fp32, whole-prompt prefill, safetensors only) as the held-out evaluation after PPO.
-    """
-    import ray
-
-    from stages.common.deepspeed import use_gpu
-    from stages.common.engines import EngineSpec, RolloutEngine
-    from stages.common.models import load_tokenizer
-
-    prompt_ids = [list(p) for p in prompt_ids]
-    spec = EngineSpec(max_model_len=max(len(p) for p in prompt_ids) + max_new_tokens, seed=seed, gpu=use_gpu(),
-                      storage=storage)
-    actor = ray.remote(RolloutEngine).options(num_cpus=spec.num_cpus, num_gpus=1 if spec.gpu else 0,
-                                              runtime_env=spec.runtime_env())
-    engines = [actor.remote(str(d), spec, 0) for d in model_dirs]
-    try:
-        outs = ray.get([e.generate.remote(prompt_ids, {"temperature": 0.0, "max_tokens": max_new_tokens})
-                        for e in engines])
-    finally:
-        for e in engines:
-            ray.kill(e)
-    tok = load_tokenizer(model_dirs[0])
-    return [(tok.batch_decode([g[0]["ids"] for g in out], skip_special_tokens=True),
-             [not g[0]["finished"] for g in out]) for out in outs]
+    outs = engine_answers(model_dirs, prompt_ids, [{"temperature": 0.0, "max_tokens": max_new_tokens}], seed, storage)
+    return [([t[0] for t, _ in out[0]], [c[0] for _, c in out[0]]) for out in outs]
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:

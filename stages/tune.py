@@ -52,11 +52,13 @@ from pipeline import console
 from pipeline.schema import Section
 from pipeline.stage import StageContext
 
-TARGETS = ("sft", "reward", "ppo")
+TARGETS = ("sft", "reward", "dpo", "ppo")
 # What each target reports (to Tune and MLflow); a sweep's metric must be one of these.
 TARGET_METRICS = {
     "sft": ("eval_loss", "train_loss", "accuracy"),
     "reward": ("eval_loss", "eval_accuracy", "eval_margin", "train_loss", "train_accuracy"),
+    "dpo": ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "train_loss", "train_reward_accuracy",
+            "eval_accuracy", "eval_sampled_accuracy"),
     "ppo": ("reward_mean", "rule_reward_mean", "kl", "response_length", "eval_accuracy", "eval_reward",
             "eval_sampled_accuracy", "eval_sampled_reward"),
 }
@@ -114,7 +116,7 @@ class ResourcesConfig(Section):
 class TuneConfig(Section):
     """The tune stage: a Ray Tune sweep over a training stage's config fields."""
 
-    target: Literal["sft", "reward", "ppo"] = Field("sft", description="The training stage to sweep.")
+    target: Literal["sft", "reward", "dpo", "ppo"] = Field("sft", description="The training stage to sweep.")
     search_space: dict[str, Dimension] = Field(
         ..., min_length=1, description="Field path of the target's config (e.g. 'lr', 'deepspeed.zero_stage', "
         "'policy.lr') -> {uniform|loguniform|choice|grid: ...}.")

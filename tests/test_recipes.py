@@ -30,6 +30,12 @@ def at_smoke_size(recipe) -> list[str]:
     if sources.any():
         out += ["stages.data.generate.sft=null", "stages.data.generate.preference=null",
                 "stages.data.generate.prompts=null", f"task.verifier={cfg.task.verifier}"]
+    if cfg.stages.dpo is not None:  # its loss and reference, at smoke size
+        dpo = cfg.stages.dpo
+        out.append("stages.dpo=" + json.dumps({
+            "loss": dpo.loss, "beta": dpo.beta, "reference": dpo.reference, "num_workers": 2, "max_steps": 6,
+            "batch_size": 8, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "eval_every": 3,
+            "checkpoint_every": 3, "eval_prompts": 16, "eval_samples": 2, "max_new_tokens": 8}))
     ppo = cfg.stages.ppo
     if ppo is not None:
         out += [f"stages.ppo.algorithm={ppo.algorithm}", f"stages.ppo.rewards.rule={ppo.rewards.rule}",
@@ -65,3 +71,37 @@ def test_a_recipe_without_some_stage_runs(recipe, smoke_trained, tmp_path):
         assert set(summary["stages"]["ppo"]["components"]["upstream"]) == {"sft_model", "prompt_data"}
     served = summary["stages"]["serve"]["components"]["upstream"]
     assert set(served) == {"sft_model" if recipe == "sft-only" else "policy_model"}
+
+
+@pytest.mark.slow
+def test_the_dpo_recipe_resumes_after_a_fault_and_serves_its_model(smoke_trained, tmp_path, monkeypatch):
+    """SFT -> DPO -> serve at smoke size: DPO is interrupted after its checkpoint of step 3 and resumed; the
+    reference log-probs it precomputed before step 1 come back from that checkpoint (recomputing them from
+    the half-trained policy would be wrong), and serve registers the DPO model."""
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = smoke_trained(tmp_path / "run")
+    cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking}", *CLI_RUN, *at_smoke_size(RECIPES / "dpo.yaml"),
+                       "stages.serve.deploy=false")
+    assert cfg.stages.dpo.reference_kind() == "precomputed"
+    monkeypatch.setenv("PIPELINE_FAULT_AFTER_STEP", "3")
+    with pytest.raises(Exception, match="injected fault after step 3"):
+        run_pipeline(cfg, SMOKE, Console(quiet=True))
+    monkeypatch.delenv("PIPELINE_FAULT_AFTER_STEP")
+    summary = run_pipeline(cfg, SMOKE, Console(quiet=True))
+    ran = {p.spec.name: p.status for p in summary["plan"]}
+    assert ran == {"model": "hit", "data": "hit", "sft": "hit", "dpo": "miss", "serve": "miss"}
+    m = summary["stages"]["dpo"]["metrics"]
+    assert m["step"] == 6 and 0 <= m["eval_reward_accuracy"] <= 1 and m["eval_prompts"] == 16
+    assert {"eval_accuracy_before", "eval_accuracy", "eval_sampled_accuracy_sign_test_p", "train_loss",
+            "train_reward_margin", "eval_logps_chosen"} <= m.keys()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking)
+    resumed = client.get_run(summary["run_ids"]["dpo"])
+    [failed] = client.search_runs([resumed.info.experiment_id], "tags.stage = 'dpo' and attributes.status = 'FAILED'")
+    assert "reference_precompute_s" in failed.data.metrics  # computed once, before step 1 ...
+    assert "reference_precompute_s" not in resumed.data.metrics  # ... and read back from the checkpoint
+    steps = [h.step for h in client.get_metric_history(resumed.info.run_id, "train_loss")]
+    assert min(steps) == 4 and max(steps) == 6  # the resumed attempt started after the checkpoint
+    assert set(summary["stages"]["serve"]["components"]["upstream"]) == {"dpo_model"}
+    assert summary["stages"]["serve"]["metrics"]["registered_version"] >= 1

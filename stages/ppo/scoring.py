@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from stages.common.evaluation import compare, sign_test_p  # noqa: F401  (shared with the dpo stage)
 from stages.ppo.config import PPOConfig
 
 
@@ -179,32 +180,6 @@ def slope(values: list[float]) -> float:
         return 0.0
     mx, my = (n - 1) / 2, sum(values) / n
     return sum((i - mx) * (v - my) for i, v in enumerate(values)) / sum((i - mx) ** 2 for i in range(n))
-
-
-def sign_test_p(improved: int, worsened: int) -> float:
-    """Two-sided exact sign test: how likely this split of changed answers is under 'no effect'."""
-    n = improved + worsened
-    if n == 0:
-        return 1.0
-    k = min(improved, worsened)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
-
-
-def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
-    """Held-out metrics before/after PPO, with a paired sign test per measure over the prompts.
-
-    For each measure M: `eval_M_before`, `eval_M` (means over prompts), `eval_M_improved` /
-    `eval_M_worsened` (prompts whose value rose / fell) and `eval_M_sign_test_p`.
-    """
-    out: dict[str, float] = {}
-    for key, b in before.items():
-        a = after[key]
-        up, down = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
-        out.update({f"eval_{key}_before": sum(b) / len(b), f"eval_{key}": sum(a) / len(a),
-                    f"eval_{key}_improved": up, f"eval_{key}_worsened": down,
-                    f"eval_{key}_sign_test_p": sign_test_p(up, down)})
-    return out
 
 
 def samples(rows: list[dict], texts: list[str], scores: list[float], correct: list[float], k: int, n: int) -> list:

@@ -1,0 +1,84 @@
+"""Held-out evaluation shared by the stages that train a policy (sft, dpo, ppo): answers from vLLM
+engine actors, and the paired sign test that says whether training changed them.
+
+    outs = engine_answers([start_dir, tuned_dir], prompt_ids, [greedy, sampled], seed)
+    outs[model][sampling][prompt] -> (texts, cut off)      # one text per sample
+    compare({"accuracy": before}, {"accuracy": after})  -> eval_accuracy_before, eval_accuracy, ..._sign_test_p
+
+The engine is the ppo stage's rollout actor (`stages.common.engines`), reused as is: the same
+settings (fp32, whole-prompt prefill, safetensors only) as PPO's held-out evaluation, so the
+stages' accuracies come from the same kind of engine.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], samplings: list[dict], seed: int,
+                   storage=None) -> list[list[list[tuple[list[str], list[bool]]]]]:
+    """Each model's answers to every prompt under each sampling (vLLM `SamplingParams` fields: `n`,
+    `temperature`, `max_tokens`, `seed`, ...): per model, per sampling, per prompt (texts, cut off by
+    `max_tokens`). One engine actor per model; they start and answer concurrently and are shut down
+    before this returns, also on failure."""
+    import ray
+
+    from stages.common.deepspeed import use_gpu
+    from stages.common.engines import EngineSpec, RolloutEngine
+    from stages.common.models import load_tokenizer
+
+    prompt_ids = [list(p) for p in prompt_ids]
+    longest = max(s["max_tokens"] for s in samplings)
+    spec = EngineSpec(max_model_len=max(len(p) for p in prompt_ids) + longest, seed=seed, gpu=use_gpu(),
+                      storage=storage)
+    actor = ray.remote(RolloutEngine).options(num_cpus=spec.num_cpus, num_gpus=1 if spec.gpu else 0,
+                                              runtime_env=spec.runtime_env())
+    engines = [actor.remote(str(d), spec, 0) for d in model_dirs]
+    try:
+        outs = [ray.get([e.generate.remote(prompt_ids, s) for s in samplings]) for e in engines]
+    finally:
+        for e in engines:
+            ray.kill(e)
+    tok = load_tokenizer(model_dirs[0])
+
+    def decode(groups):
+        return [(tok.batch_decode([g["ids"] for g in group], skip_special_tokens=True),
+                 [not g["finished"] for g in group]) for group in groups]
+
+    return [[decode(groups) for groups in per_model] for per_model in outs]
+
+
+def per_prompt_accuracy(answers: list[tuple[list[str], list[bool]]], rows: list[dict], verifier: str) -> list[float]:
+    """Per prompt row (`answer`), the share of its answers the task verifier (`task.verifier`) accepts."""
+    from stages.common.verifiers import verifier_function
+
+    verify = verifier_function(verifier)
+    return [sum(float(verify(t, r.get("answer") or "")) for t in texts) / max(len(texts), 1)
+            for (texts, _), r in zip(answers, rows)]
+
+
+def sign_test_p(improved: int, worsened: int) -> float:
+    """Two-sided exact sign test: how likely this split of changed answers is under 'no effect'."""
+    n = improved + worsened
+    if n == 0:
+        return 1.0
+    k = min(improved, worsened)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
+    """Held-out metrics before/after training, with a paired sign test per measure over the prompts.
+
+    For each measure M: `eval_M_before`, `eval_M` (means over prompts), `eval_M_improved` /
+    `eval_M_worsened` (prompts whose value rose / fell) and `eval_M_sign_test_p`.
+    """
+    out: dict[str, float] = {}
+    for key, b in before.items():
+        a = after[key]
+        up, down = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
+        out.update({f"eval_{key}_before": sum(b) / len(b), f"eval_{key}": sum(a) / len(a),
+                    f"eval_{key}_improved": up, f"eval_{key}_worsened": down,
+                    f"eval_{key}_sign_test_p": sign_test_p(up, down)})
+    return out

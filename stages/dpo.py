@@ -1,0 +1,488 @@
+"""DPO stage: preference optimisation without a reward model (DPO, IPO, SimPO, KTO) on the preference pairs.
+
+Same runtime shape as `stages.sft` and `stages.reward` (Ray Train V2 `TorchTrainer`, DeepSpeed ZeRO
+from YAML, checkpoints that resume, LoRA through PEFT); the loop is its own because what it computes
+differs. Each micro-batch of B pairs is one forward pass over 2B sequences (chosen first, then
+rejected; KTO adds B mismatched prompt/answer sequences for its KL estimate). A sequence's
+log-probability is the sum of its answer tokens' log-probs (the data stage's loss mask:
+`sequence_logps`), and the losses are pure functions of those sums (`pair_losses`, `kto_losses`),
+written as TRL writes them (`DPOTrainer` loss_type sigmoid and ipo, `CPOTrainer` loss_type simpo, `KTOTrainer`)
+so that a user's beta means what it means there; `tests/test_dpo_oracle.py` checks loss and gradients
+against TRL's trainers on the same model and batch.
+
+The reference policy (`reference`):
+- `adapter_off` (LoRA only): the model with its adapter switched off, i.e. the start model, at no memory;
+- `frozen_copy`: a second copy of the start model, frozen;
+- `precomputed`: one pass over this rank's train and eval batches before the first step computes the
+  reference log-probs (with the start model, which is the policy before training), kept beside the
+  batches and in every checkpoint's trainer state, so training holds one model and does one forward
+  per step (TRL's `precompute_ref_log_probs`).
+SimPO is reference-free: `reference` is ignored.
+
+Logged every step (rank 0, to the stage's MLflow run): loss, implicit-reward accuracy and margin on the
+batch (the implicit reward of an answer is beta x its log-ratio to the reference; SimPO: beta x its mean
+token log-prob), chosen / rejected log-probs; the same on the held-out pairs every `eval_every` steps.
+At the end, held-out task accuracy (greedy and `eval_samples` sampled answers per prompt, the task
+verifier) of the start model and the DPO model, with the paired sign test `ppo` reports.
+
+Run alone: `python -m pipeline run configs/recipes/dpo.yaml --only dpo` (after `sft`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.errors import UserError
+from pipeline.stage import StageContext
+from stages.common.deepspeed import TrainingConfig
+
+LOSSES = ("dpo", "ipo", "simpo", "kto")
+
+
+class DPOConfig(TrainingConfig):
+    """The dpo stage: the shared training fields plus the preference loss, its reference and evaluation."""
+
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate (lower than SFT's: DPO moves a trained policy).")
+    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps from 0 to lr.")
+    eval_every: int = Field(10, ge=1, description="Evaluate on the held-out pairs every N optimizer steps.")
+    init_from: Literal["sft", "base"] = Field("sft", description="Start (and reference) model: the SFT model or the base model.")
+    loss: Literal["dpo", "ipo", "simpo", "kto"] = Field(
+        "dpo", description="'dpo': -log sigmoid(beta x margin of log-ratios) (TRL loss_type 'sigmoid'); 'ipo': "
+        "(margin of per-token log-ratios - 1/(2 beta))^2 (TRL 'ipo'); 'simpo': reference-free, the margin of mean "
+        "token log-probs minus simpo_gamma/beta (TRL CPOTrainer 'simpo'); 'kto': each chosen answer desirable and "
+        "each rejected one undesirable, against a KL estimate from mismatched pairs (TRL KTOTrainer).")
+    beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward (IPO: its regulariser tau).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed share of flipped labels (conservative "
+                                   "DPO, cDPO): the loss also rewards the opposite preference with this weight. "
+                                   "dpo and simpo only.")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin gamma (the logits are shifted by gamma/beta).")
+    kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable (chosen) answers' loss.")
+    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable (rejected) answers' loss.")
+    reference: Literal["auto", "adapter_off", "frozen_copy", "precomputed"] = Field(
+        "auto", description="The reference policy: 'adapter_off' (LoRA: the model with its adapter off), "
+        "'frozen_copy' (a second, frozen copy of the start model), 'precomputed' (reference log-probs computed once "
+        "before training and kept with the batches: one model in memory, one forward per step); 'auto': "
+        "adapter_off with LoRA, else precomputed. Ignored by simpo.")
+    eval_prompts: int = Field(200, ge=0, description="Held-out RL prompts scored by the task verifier before and "
+                              "after (0: skip).")
+    eval_samples: int = Field(4, ge=0, description="Sampled answers per held-out prompt (0: greedy only).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the held-out sampled answers.")
+    max_new_tokens: int = Field(24, ge=1, description="Tokens generated per held-out answer.")
+
+    @model_validator(mode="after")
+    def _reference_exists(self) -> "DPOConfig":
+        if self.reference == "adapter_off" and self.lora is None:
+            raise ValueError("reference adapter_off needs a LoRA adapter to switch off; add stages.dpo.lora or set "
+                             "reference: frozen_copy or precomputed")
+        if self.label_smoothing and self.loss in ("ipo", "kto"):
+            raise ValueError(f"label_smoothing applies to dpo and simpo, not {self.loss}; set label_smoothing: 0")
+        return self
+
+    def reference_kind(self) -> str | None:
+        """What gives the reference log-probs: None for SimPO (reference-free)."""
+        if self.loss == "simpo":
+            return None
+        if self.reference == "auto":
+            return "adapter_off" if self.lora else "precomputed"
+        return self.reference
+
+
+# --------------------------------------------------------------------------- pure helpers: the math
+
+
+def sequence_logps(logits, input_ids, mask):
+    """Per sequence: (sum of the log-probs of the tokens where `mask` is 1, how many there are).
+
+    Position t's logits predict token t + 1 (a causal LM's shift); `mask` is aligned with `input_ids`
+    (the data stage's loss mask: 1 on the answer's tokens). Computed as gathered logit - logsumexp,
+    which never materialises a (N, T, V) log-softmax."""
+    import torch
+
+    logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    m = mask[:, 1:].to(logits.dtype)
+    token = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return (token * m).sum(-1), m.sum(-1)
+
+
+def _smoothed_sigmoid(x, beta: float, label_smoothing: float):
+    """-log sigmoid(beta x) with weight 1 - eps, plus -log sigmoid(-beta x) with weight eps (cDPO)."""
+    import torch.nn.functional as F
+
+    return -F.logsigmoid(beta * x) * (1 - label_smoothing) - F.logsigmoid(-beta * x) * label_smoothing
+
+
+def pair_losses(loss: str, beta: float, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len,
+                label_smoothing: float = 0.0, simpo_gamma: float = 0.5):
+    """Per pair: (loss, implicit reward of the chosen answer, of the rejected one), for dpo, ipo and simpo.
+
+    `chosen` / `rejected` are summed answer log-probs under the policy, `ref_*` under the reference (None
+    for simpo), `*_len` the answers' token counts.
+    - dpo: x = (chosen - ref_chosen) - (rejected - ref_rejected); loss = cDPO(x).
+    - ipo: x as dpo but each log-ratio divided by its answer's length (TRL's normalisation, confirmed by
+      the IPO authors); loss = (x - 1/(2 beta))^2.
+    - simpo: x = chosen/chosen_len - rejected/rejected_len - simpo_gamma/beta; loss = cDPO(x).
+    The implicit rewards are beta x log-ratio (simpo: beta x mean log-prob); their difference is the margin.
+    """
+    if loss == "simpo":
+        rc, rr = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
+        return _smoothed_sigmoid(rc - rr - simpo_gamma / beta, beta, label_smoothing), beta * rc.detach(), beta * rr.detach()
+    lc, lr = chosen - ref_chosen, rejected - ref_rejected
+    if loss == "dpo":
+        out = _smoothed_sigmoid(lc - lr, beta, label_smoothing)
+    elif loss == "ipo":
+        out = (lc / chosen_len.clamp(min=1) - lr / rejected_len.clamp(min=1) - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"pair_losses: unknown loss {loss!r}; one of dpo, ipo, simpo (kto: kto_losses)")
+    return out, beta * lc.detach(), beta * lr.detach()
+
+
+def kto_losses(beta: float, chosen, rejected, ref_chosen, ref_rejected, kl, desirable_weight: float = 1.0,
+               undesirable_weight: float = 1.0):
+    """KTO (Ethayarajh et al. 2024) on pairs read as unpaired examples: per pair (loss, implicit rewards).
+
+    Each chosen answer is desirable, each rejected one undesirable: with r = log-ratio to the reference
+    and z the KL estimate (`kl`, detached, at least 0), the desirable loss is 1 - sigmoid(beta (r - z)),
+    the undesirable one 1 - sigmoid(beta (z - r)), weighted. A pair's loss is the mean of its two, which
+    makes the batch mean equal TRL KTOTrainer's mean over all its examples."""
+    import torch
+
+    lc, lr = chosen - ref_chosen, rejected - ref_rejected
+    z = kl.detach().clamp(min=0)
+    desirable = 1 - torch.sigmoid(beta * (lc - z))
+    undesirable = 1 - torch.sigmoid(beta * (z - lr))
+    return (desirable_weight * desirable + undesirable_weight * undesirable) / 2, beta * lc.detach(), beta * lr.detach()
+
+
+def kto_kl(mismatched, ref_mismatched):
+    """KTO's reference point: the batch mean of log-ratios of mismatched answers (another prompt's answer
+    under this prompt), at least 0 (TRL KTOTrainer's `kl`, per micro-batch here)."""
+    return (mismatched - ref_mismatched).mean().clamp(min=0).detach()
+
+
+def answer_start(mask: list[int]) -> int:
+    """Index of the first answer token of a tokenized conversation (its loss mask's first 1)."""
+    return next((i for i, m in enumerate(mask) if m), len(mask))
+
+
+def mismatched(ids: list[list[int]], masks: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Row i's prompt followed by row i+1's answer (the last row takes the first's): KTO's KL sequences.
+
+    Prompt = the tokens before the answer's first masked token; answer = the rest, with its mask. The
+    chat template's tokens after the answer (end of turn) come with it."""
+    out_ids, out_masks = [], []
+    for i in range(len(ids)):
+        j = (i + 1) % len(ids)
+        p, a = answer_start(masks[i]), answer_start(masks[j])
+        out_ids.append(list(ids[i][:p]) + list(ids[j][a:]))
+        out_masks.append([0] * p + list(masks[j][a:]))
+    return out_ids, out_masks
+
+
+def collate(batch: dict, pad_id: int, kto: bool = False) -> dict:
+    """B pairs -> one right-padded batch of 2B sequences (chosen first, then rejected) with their answer
+    masks; with `kto`, B mismatched sequences after them (`mismatched`)."""
+    from stages.common.training import pad
+
+    ids = [*batch["chosen_input_ids"], *batch["rejected_input_ids"]]
+    masks = [*batch["chosen_loss_mask"], *batch["rejected_loss_mask"]]
+    if kto:
+        kl_ids, kl_masks = mismatched(list(batch["chosen_input_ids"]), list(batch["chosen_loss_mask"]))
+        ids, masks = ids + kl_ids, masks + kl_masks
+    input_ids, attention = pad(ids, pad_id)
+    mask, _ = pad(masks, 0)
+    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "pairs": len(batch["chosen_input_ids"])}
+
+
+def logps(model, batch: dict):
+    """(summed answer log-probs, answer lengths) of every sequence of a `collate`d batch."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    return sequence_logps(out.logits, batch["input_ids"], batch["mask"])
+
+
+def batch_loss(cfg: DPOConfig, policy, lengths, ref):
+    """Mean loss over a batch's pairs, and its per-pair implicit rewards and log-probs, from the summed
+    log-probs of its sequences (`policy`, `ref`: chosen, rejected[, mismatched]; `ref` None for simpo)."""
+    n = lengths.shape[0] // (3 if cfg.loss == "kto" else 2)
+    pc, pr = policy[:n], policy[n:2 * n]
+    rc, rr = (ref[:n], ref[n:2 * n]) if ref is not None else (None, None)
+    if cfg.loss == "kto":
+        kl = kto_kl(policy[2 * n:], ref[2 * n:])
+        per, chosen_r, rejected_r = kto_losses(cfg.beta, pc, pr, rc, rr, kl, cfg.kto_desirable_weight,
+                                               cfg.kto_undesirable_weight)
+    else:
+        per, chosen_r, rejected_r = pair_losses(cfg.loss, cfg.beta, pc, pr, rc, rr, lengths[:n], lengths[n:2 * n],
+                                                cfg.label_smoothing, cfg.simpo_gamma)
+    return per.mean(), {"chosen_reward": chosen_r, "rejected_reward": rejected_r, "chosen_logps": pc.detach(),
+                        "rejected_logps": pr.detach()}
+
+
+def batch_metrics(parts: dict) -> dict[str, float]:
+    """Sums over a batch's pairs: implicit-reward accuracy (chosen above rejected; a tie counts a half, so
+    the start model, whose rewards are all 0, scores chance, 0.5) and margin, log-probs."""
+    c, r = parts["chosen_reward"], parts["rejected_reward"]
+    return {"reward_accuracy": float(((c > r).float() + 0.5 * (c == r).float()).sum()), "reward_margin": float((c - r).sum()),
+            "logps_chosen": float(parts["chosen_logps"].sum()), "logps_rejected": float(parts["rejected_logps"].sum()),
+            "pairs": float(len(c))}
+
+
+# --------------------------------------------------------------------------- worker loop
+
+
+class Reference:
+    """The reference log-probs of a batch, however the config says to get them (see the module docstring)."""
+
+    def __init__(self, kind: str | None, engine, init: str):
+        self.kind, self.engine, self.frozen = kind, engine, None
+        self.stored: dict[str, list] = {}  # precomputed: per split, one tensor per micro-batch, in replay order
+        if kind == "frozen_copy":
+            import torch
+
+            from stages.common import models
+
+            self.frozen = models.load_model(init, "causal").to(engine.device).eval().requires_grad_(False)
+            if next(engine.module.parameters()).dtype == torch.bfloat16:
+                self.frozen = self.frozen.to(torch.bfloat16)
+
+    def _forward(self, batch):
+        import torch
+
+        with torch.no_grad():
+            if self.kind == "adapter_off":
+                with self.engine.module.disable_adapter():
+                    return logps(self.engine, batch)[0]
+            if self.kind == "frozen_copy":
+                return logps(self.frozen, batch)[0]
+            return logps(self.engine, batch)[0]  # precomputing: the policy before its first step
+
+    def precompute(self, splits: dict, say) -> None:
+        """Every micro-batch's reference log-probs, before the first step (precomputed only)."""
+        self.engine.eval()
+        for name, batches in splits.items():
+            self.stored[name] = [self._forward(b).cpu() for b in batches]
+            say(f"reference log-probs precomputed for {len(self.stored[name])} {name} micro-batches")
+        self.engine.train()
+
+    def state(self) -> dict:
+        return {name: [t.tolist() for t in ts] for name, ts in self.stored.items()}
+
+    def load(self, state: dict) -> None:
+        import torch
+
+        self.stored = {name: [torch.tensor(t) for t in ts] for name, ts in state.items()}
+
+    def __call__(self, batch, split: str, index: int):
+        if self.kind is None:
+            return None
+        if self.kind == "precomputed":
+            return self.stored[split][index].to(self.engine.device)
+        return self._forward(batch)
+
+
+def _evaluate(engine, batches, reference: Reference, cfg: DPOConfig) -> dict[str, float]:
+    """Loss, implicit-reward accuracy and margin, chosen / rejected log-probs, over every rank's eval pairs."""
+    import torch
+
+    from stages.common.training import all_reduce_sum
+
+    engine.eval()
+    sums = {"loss": 0.0, "reward_accuracy": 0.0, "reward_margin": 0.0, "logps_chosen": 0.0, "logps_rejected": 0.0,
+            "pairs": 0.0}
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            policy, lengths = logps(engine, batch)
+            loss, parts = batch_loss(cfg, policy, lengths, reference(batch, "eval", i))
+            m = batch_metrics(parts)
+            for k in m:
+                sums[k] += m[k]
+            sums["loss"] += float(loss) * m["pairs"]
+    engine.train()
+    totals = dict(zip(sums, all_reduce_sum(list(sums.values()))))
+    n = max(totals.pop("pairs"), 1.0)
+    return {f"eval_{k}": v / n for k, v in totals.items()}
+
+
+def _gather_reference(reference: Reference, rank: int, world: int) -> list | None:
+    """Every rank's precomputed log-probs, for rank 0's trainer state (a resume gives each rank its own)."""
+    import torch.distributed as dist
+
+    if reference.kind != "precomputed":
+        return None
+    parts = [None] * world
+    if dist.is_initialized():
+        dist.all_gather_object(parts, reference.state())
+    else:
+        parts[rank] = reference.state()
+    return parts
+
+
+def train_loop(c: dict) -> None:
+    """One Ray Train worker: DeepSpeed engine, resume, reference, train, eval, checkpoint."""
+    import torch
+
+    from stages.common import lora, models, training
+
+    rank, world = training.worker_rank()
+    training.set_threads(world)
+    cfg = DPOConfig.model_validate(c["cfg"])
+    torch.manual_seed(c["seed"])
+    init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
+    model = models.load_model(init, "causal")
+    if cfg.deepspeed.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    if cfg.lora:
+        model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
+    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    engine = training.init_engine(model, c["ds_config"])
+    state = training.restore(engine)
+    total, pad_id = c["total_steps"], c["pad_id"]
+    collate_fn = partial(collate, pad_id=pad_id, kto=cfg.loss == "kto")
+    trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
+    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, collate_fn, rank, world)
+    reference = Reference(cfg.reference_kind(), engine, init)
+    if reference.kind == "precomputed":
+        if state.get("reference"):
+            reference.load(state["reference"][rank])
+        else:  # its time is a metric: the cost of holding one model instead of two
+            t0 = time.time()
+            reference.precompute({"train": trains, "eval": evals}, log.print)
+            log.log({"reference_precompute_s": time.time() - t0}, 0)
+    saved_reference = _gather_reference(reference, rank, world)
+    if state["step"] == 0:
+        first = _evaluate(engine, evals, reference, cfg)
+        log.log(first, 0)
+        log.step(0, total, first)
+    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
+    fault_armed = fault_at > state["step"]
+    metrics: dict = {}
+    for epoch in range(state["epoch"], cfg.epochs):
+        skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
+        busy, micro, sums, phases = 0.0, 0, {}, {}
+        for batch in trains:
+            micro += 1
+            if micro <= skip:
+                continue
+            if engine.global_steps >= total:
+                break
+            t0 = time.time()
+            ref = reference(batch, "train", micro - 1)
+            t1 = time.time()
+            policy, lengths = logps(engine, batch)
+            loss, parts = batch_loss(cfg, policy, lengths, ref)
+            t2 = time.time()
+            engine.backward(loss)  # ZeRO's gradient reduction between ranks happens in here
+            t3 = time.time()
+            before = engine.global_steps
+            engine.step()
+            t4 = time.time()
+            for phase, seconds in (("reference", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2),
+                                   ("optimizer", t4 - t3)):
+                phases[phase] = phases.get(phase, 0.0) + seconds
+            busy += t4 - t0
+            for k, v in (batch_metrics(parts) | {"loss": float(loss) * parts["chosen_reward"].shape[0]}).items():
+                sums[k] = sums.get(k, 0.0) + v
+            if engine.global_steps == before:  # still accumulating
+                continue
+            step = engine.global_steps
+            totals = dict(zip(sums, training.all_reduce_sum(list(sums.values()))))
+            n = max(totals.pop("pairs"), 1.0)
+            metrics = {f"train_{k}": v / n for k, v in totals.items()} | {"lr": engine.get_lr()[0], "step_time_s": busy}
+            metrics |= {f"{phase}_s": seconds for phase, seconds in phases.items()}  # rank 0's time in each phase
+            busy, sums, phases = 0.0, {}, {}
+            if step % cfg.eval_every == 0 or step == total:
+                metrics.update(_evaluate(engine, evals, reference, cfg))
+            log.log(metrics, step)
+            log.step(step, total, metrics)
+            state = {"step": step, "epoch": epoch, "micro_in_epoch": micro, "reference": saved_reference}
+            if step == total:
+                metrics.update(training.peak_memory(rank, world))
+            if step % cfg.checkpoint_every == 0 or step == total:
+                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+                if fault_armed and step >= fault_at:
+                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
+            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
+                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
+        state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0, "reference": saved_reference}
+        if engine.global_steps >= total:
+            break
+    if not metrics:  # resumed after the last step: report the final state again so the run ends on it
+        training.report(engine, state, {"step": engine.global_steps, **training.peak_memory(rank, world)}, rank,
+                        with_checkpoint=True)
+
+
+# --------------------------------------------------------------------------- the stage: held-out task accuracy
+
+
+def task_accuracy(start: Path, tuned: Path, rows: list[dict], cfg: DPOConfig, verifier: str, seed: int,
+                  storage) -> dict[str, float]:
+    """Held-out task accuracy of the start model and the DPO model: greedy and sampled answers (a vLLM engine
+    per model, `stages.common.evaluation`), scored by the task verifier, compared prompt by prompt with a
+    paired sign test (`eval_accuracy_before`, `eval_accuracy`, `eval_accuracy_sign_test_p`, and the same
+    with `sampled_`)."""
+    from stages.common.evaluation import compare, engine_answers, per_prompt_accuracy
+
+    measures = {"accuracy": {"temperature": 0.0, "max_tokens": cfg.max_new_tokens}}
+    if cfg.eval_samples:  # a fixed seed: both models draw from the same random stream
+        measures["sampled_accuracy"] = {"n": cfg.eval_samples, "temperature": cfg.temperature,
+                                        "max_tokens": cfg.max_new_tokens, "seed": 12345}
+    outs = engine_answers([start, tuned], [r["prompt_ids"] for r in rows], list(measures.values()), seed, storage)
+    before, after = ({name: per_prompt_accuracy(answers, rows, verifier) for name, answers in zip(measures, out)}
+                     for out in outs)
+    return {"eval_prompts": len(rows), **compare(before, after)}
+
+
+def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
+    """Train with TorchTrainer, export the HF model, score held-out task accuracy before and after."""
+    from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
+    from stages.common.lora import describe
+    from stages.common.models import load_tokenizer
+    from stages.common.parquet import read_rows
+    from stages.common.training import export, fit
+
+    data = ctx.inputs["preference_data"]
+    init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
+    n_pairs = json.loads((data / "meta.json").read_text())["rows"]["train"]
+    steps = total_steps(n_pairs, cfg)
+    if steps < 1:
+        raise UserError(f"stages.dpo: {n_pairs} training pairs make no full optimizer step with batch_size "
+                        f"{cfg.batch_size}; lower stages.dpo.batch_size or give more preference pairs")
+    gpu = use_gpu()
+    bf16 = use_bf16(cfg.deepspeed, gpu)
+    ds_config = deepspeed_config(cfg, steps, bf16)
+    ctx.log_dict(ds_config, "deepspeed_config.json")
+    tok = load_tokenizer(init)
+    ctx.ray()
+    reference = cfg.reference_kind() or "none (reference-free)"
+    ctx.progress(f"{cfg.loss} on {n_pairs} pairs: {steps} steps on {cfg.num_workers} workers (ZeRO-"
+                 f"{cfg.deepspeed.zero_stage}, {'bf16' if bf16 else 'fp32'}, beta {cfg.beta:g}, reference "
+                 f"{reference}, init from {cfg.init_from}{describe(cfg.lora)})")
+    result = fit(train_loop, {
+        "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
+        "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
+        "run_id": ctx.run_id, "name": ctx.name,
+    }, cfg, {"train": data / "train", "eval": data / "eval"},
+        ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
+    out = ctx.out_dir / "model"
+    metrics = export(result, out, tok, init, "causal")  # a LoRA adapter is merged into `init` here
+    ctx.progress(f"held-out implicit-reward accuracy {metrics.get('eval_reward_accuracy', float('nan')):.3f}, "
+                 f"margin {metrics.get('eval_reward_margin', float('nan')):.3f}")
+    rows = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.eval_prompts)
+    if rows:
+        ctx.progress(f"scoring answers on {len(rows)} held-out prompts (greedy, {cfg.eval_samples} sampled each)")
+        metrics.update(task_accuracy(init, out, rows, cfg, ctx.pipeline.task.verifier, ctx.pipeline.seed,
+                                     ctx.storage))
+        line = (f"greedy accuracy {metrics['eval_accuracy_before']:.3f} -> {metrics['eval_accuracy']:.3f} "
+                f"(p={metrics['eval_accuracy_sign_test_p']:.3g})")
+        if "eval_sampled_accuracy" in metrics:
+            line += (f", sampled {metrics['eval_sampled_accuracy_before']:.3f} -> "
+                     f"{metrics['eval_sampled_accuracy']:.3f} (p={metrics['eval_sampled_accuracy_sign_test_p']:.3g})")
+        ctx.progress(line)
+    ctx.log_metrics(metrics, step=steps)
+    return {"dpo_model": out}
