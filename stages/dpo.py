@@ -145,20 +145,25 @@ def pair_losses(loss: str, beta: float, chosen, rejected, ref_chosen, ref_reject
 
 
 def kto_losses(beta: float, chosen, rejected, ref_chosen, ref_rejected, kl, desirable_weight: float = 1.0,
-               undesirable_weight: float = 1.0):
-    """KTO (Ethayarajh et al. 2024) on pairs read as unpaired examples: per pair (loss, implicit rewards).
+               undesirable_weight: float = 1.0, has_chosen=None, has_rejected=None):
+    """KTO (Ethayarajh et al. 2024): per row (weighted loss summed over its examples, its examples, implicit
+    rewards).
 
-    Each chosen answer is desirable, each rejected one undesirable: with r = log-ratio to the reference
-    and z the KL estimate (`kl`, detached, at least 0), the desirable loss is 1 - sigmoid(beta (r - z)),
-    the undesirable one 1 - sigmoid(beta (z - r)), weighted. A pair's loss is the mean of its two, which
-    makes the batch mean equal TRL KTOTrainer's mean over all its examples."""
+    A pair is two examples, its chosen answer desirable and its rejected one undesirable; an unpaired row
+    (`has_chosen` / `has_rejected` 0 on its absent side) is one. With r = log-ratio to the reference and z
+    the KL estimate (`kl`, detached, at least 0), the desirable loss is 1 - sigmoid(beta (r - z)), the
+    undesirable one 1 - sigmoid(beta (z - r)), weighted. The batch loss, sum(loss) / sum(examples), is TRL
+    KTOTrainer's mean over all its examples."""
     import torch
 
     lc, lr = chosen - ref_chosen, rejected - ref_rejected
+    hc = torch.ones_like(lc) if has_chosen is None else has_chosen.to(lc.dtype)
+    hr = torch.ones_like(lr) if has_rejected is None else has_rejected.to(lr.dtype)
     z = kl.detach().clamp(min=0)
     desirable = 1 - torch.sigmoid(beta * (lc - z))
     undesirable = 1 - torch.sigmoid(beta * (z - lr))
-    return (desirable_weight * desirable + undesirable_weight * undesirable) / 2, beta * lc.detach(), beta * lr.detach()
+    return (desirable_weight * desirable * hc + undesirable_weight * undesirable * hr, hc + hr,
+            beta * lc.detach(), beta * lr.detach())
 
 
 def kto_kl(mismatched, ref_mismatched):
@@ -170,6 +175,15 @@ def kto_kl(mismatched, ref_mismatched):
 def answer_start(mask: list[int]) -> int:
     """Index of the first answer token of a tokenized conversation (its loss mask's first 1)."""
     return next((i for i, m in enumerate(mask) if m), len(mask))
+
+
+def completions(batch: dict) -> tuple[list[list[int]], list[list[int]]]:
+    """Each row's one answered sequence and its mask: the chosen side, or the rejected one of an unpaired
+    undesirable row (whose chosen mask is all 0)."""
+    rows = zip(batch["chosen_input_ids"], batch["chosen_loss_mask"], batch["rejected_input_ids"],
+               batch["rejected_loss_mask"])
+    picked = [(ci, cm) if any(cm) else (ri, rm) for ci, cm, ri, rm in rows]
+    return [list(i) for i, _ in picked], [list(m) for _, m in picked]
 
 
 def mismatched(ids: list[list[int]], masks: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -188,17 +202,23 @@ def mismatched(ids: list[list[int]], masks: list[list[int]]) -> tuple[list[list[
 
 def collate(batch: dict, pad_id: int, kto: bool = False) -> dict:
     """B pairs -> one right-padded batch of 2B sequences (chosen first, then rejected) with their answer
-    masks; with `kto`, B mismatched sequences after them (`mismatched`)."""
+    masks; with `kto`, B mismatched sequences after them (`mismatched`). `has_chosen` / `has_rejected`: 0 on
+    the absent side of an unpaired row (a completion labelled desirable or undesirable, which the data stage
+    stores with that side's mask all 0)."""
+    import torch
+
     from stages.common.training import pad
 
     ids = [*batch["chosen_input_ids"], *batch["rejected_input_ids"]]
     masks = [*batch["chosen_loss_mask"], *batch["rejected_loss_mask"]]
     if kto:
-        kl_ids, kl_masks = mismatched(list(batch["chosen_input_ids"]), list(batch["chosen_loss_mask"]))
+        kl_ids, kl_masks = mismatched(*completions(batch))
         ids, masks = ids + kl_ids, masks + kl_masks
     input_ids, attention = pad(ids, pad_id)
     mask, _ = pad(masks, 0)
-    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "pairs": len(batch["chosen_input_ids"])}
+    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask,
+            "has_chosen": torch.tensor([float(any(m)) for m in batch["chosen_loss_mask"]]),
+            "has_rejected": torch.tensor([float(any(m)) for m in batch["rejected_loss_mask"]])}
 
 
 def logps(model, batch: dict):
@@ -207,30 +227,49 @@ def logps(model, batch: dict):
     return sequence_logps(out.logits, batch["input_ids"], batch["mask"])
 
 
-def batch_loss(cfg: DPOConfig, policy, lengths, ref):
-    """Mean loss over a batch's pairs, and its per-pair implicit rewards and log-probs, from the summed
-    log-probs of its sequences (`policy`, `ref`: chosen, rejected[, mismatched]; `ref` None for simpo)."""
+def batch_loss(cfg: DPOConfig, policy, lengths, ref, batch: dict):
+    """The batch's loss, and per row its implicit rewards and log-probs, from the summed log-probs of its
+    sequences (`policy`, `ref`: chosen, rejected[, mismatched]; `ref` None for simpo). The mean over pairs;
+    KTO's, over examples (an unpaired row is one)."""
     n = lengths.shape[0] // (3 if cfg.loss == "kto" else 2)
     pc, pr = policy[:n], policy[n:2 * n]
     rc, rr = (ref[:n], ref[n:2 * n]) if ref is not None else (None, None)
+    parts = {"chosen_logps": pc.detach(), "rejected_logps": pr.detach(),
+             "paired": (batch["has_chosen"] * batch["has_rejected"]).to(pc.device)}
     if cfg.loss == "kto":
         kl = kto_kl(policy[2 * n:], ref[2 * n:])
-        per, chosen_r, rejected_r = kto_losses(cfg.beta, pc, pr, rc, rr, kl, cfg.kto_desirable_weight,
-                                               cfg.kto_undesirable_weight)
+        total, examples, chosen_r, rejected_r = kto_losses(
+            cfg.beta, pc, pr, rc, rr, kl, cfg.kto_desirable_weight, cfg.kto_undesirable_weight,
+            batch["has_chosen"].to(pc.device), batch["has_rejected"].to(pc.device))
+        loss = total.sum() / examples.sum().clamp(min=1)
+        parts["kl"] = kl
     else:
         per, chosen_r, rejected_r = pair_losses(cfg.loss, cfg.beta, pc, pr, rc, rr, lengths[:n], lengths[n:2 * n],
                                                 cfg.label_smoothing, cfg.simpo_gamma)
-    return per.mean(), {"chosen_reward": chosen_r, "rejected_reward": rejected_r, "chosen_logps": pc.detach(),
-                        "rejected_logps": pr.detach()}
+        loss = per.mean()
+    return loss, parts | {"chosen_reward": chosen_r, "rejected_reward": rejected_r}
 
 
 def batch_metrics(parts: dict) -> dict[str, float]:
-    """Sums over a batch's pairs: implicit-reward accuracy (chosen above rejected; a tie counts a half, so
-    the start model, whose rewards are all 0, scores chance, 0.5) and margin, log-probs."""
-    c, r = parts["chosen_reward"], parts["rejected_reward"]
-    return {"reward_accuracy": float(((c > r).float() + 0.5 * (c == r).float()).sum()), "reward_margin": float((c - r).sum()),
-            "logps_chosen": float(parts["chosen_logps"].sum()), "logps_rejected": float(parts["rejected_logps"].sum()),
-            "pairs": float(len(c))}
+    """Sums over a batch's pairs (an unpaired KTO row has nothing to compare): implicit-reward accuracy (chosen
+    above rejected; a tie counts a half, so the start model, whose rewards are all 0, scores chance, 0.5) and
+    margin, log-probs; KTO's KL estimate (weighted by pairs, like the rest)."""
+    c, r, paired = parts["chosen_reward"], parts["rejected_reward"], parts["paired"]
+    out = {"reward_accuracy": float((((c > r).float() + 0.5 * (c == r).float()) * paired).sum()),
+           "reward_margin": float(((c - r) * paired).sum()),
+           "logps_chosen": float((parts["chosen_logps"] * paired).sum()),
+           "logps_rejected": float((parts["rejected_logps"] * paired).sum()), "pairs": float(paired.sum())}
+    return out | ({"kl": float(parts["kl"]) * out["pairs"]} if "kl" in parts else {})
+
+
+def averages(sums: dict[str, float]) -> dict[str, float]:
+    """Sums over batches (and ranks) -> means: the loss over rows, the rest over pairs (left out with none:
+    only unpaired KTO rows)."""
+    rows, pairs = sums["rows"], sums["pairs"]
+    out = {"loss": sums["loss"] / max(rows, 1.0)}
+    if pairs:
+        out |= {k: v / pairs for k, v in sums.items() if k not in ("loss", "rows", "pairs")}
+    return out
 
 
 # --------------------------------------------------------------------------- worker loop
@@ -293,20 +332,17 @@ def _evaluate(engine, batches, reference: Reference, cfg: DPOConfig) -> dict[str
     from stages.common.training import all_reduce_sum
 
     engine.eval()
-    sums = {"loss": 0.0, "reward_accuracy": 0.0, "reward_margin": 0.0, "logps_chosen": 0.0, "logps_rejected": 0.0,
-            "pairs": 0.0}
+    sums: dict[str, float] = {}
     with torch.no_grad():
         for i, batch in enumerate(batches):
             policy, lengths = logps(engine, batch)
-            loss, parts = batch_loss(cfg, policy, lengths, reference(batch, "eval", i))
-            m = batch_metrics(parts)
-            for k in m:
-                sums[k] += m[k]
-            sums["loss"] += float(loss) * m["pairs"]
+            loss, parts = batch_loss(cfg, policy, lengths, reference(batch, "eval", i), batch)
+            rows = parts["chosen_reward"].shape[0]
+            for k, v in (batch_metrics(parts) | {"loss": float(loss) * rows, "rows": float(rows)}).items():
+                sums[k] = sums.get(k, 0.0) + v
     engine.train()
     totals = dict(zip(sums, all_reduce_sum(list(sums.values()))))
-    n = max(totals.pop("pairs"), 1.0)
-    return {f"eval_{k}": v / n for k, v in totals.items()}
+    return {f"eval_{k}": v for k, v in averages(totals).items()}
 
 
 def _gather_reference(reference: Reference, rank: int, world: int) -> list | None:
@@ -375,7 +411,7 @@ def train_loop(c: dict) -> None:
             ref = reference(batch, "train", micro - 1)
             t1 = time.time()
             policy, lengths = logps(engine, batch)
-            loss, parts = batch_loss(cfg, policy, lengths, ref)
+            loss, parts = batch_loss(cfg, policy, lengths, ref, batch)
             t2 = time.time()
             engine.backward(loss)  # ZeRO's gradient reduction between ranks happens in here
             t3 = time.time()
@@ -386,14 +422,15 @@ def train_loop(c: dict) -> None:
                                    ("optimizer", t4 - t3)):
                 phases[phase] = phases.get(phase, 0.0) + seconds
             busy += t4 - t0
-            for k, v in (batch_metrics(parts) | {"loss": float(loss) * parts["chosen_reward"].shape[0]}).items():
+            rows = parts["chosen_reward"].shape[0]
+            for k, v in (batch_metrics(parts) | {"loss": float(loss) * rows, "rows": float(rows)}).items():
                 sums[k] = sums.get(k, 0.0) + v
             if engine.global_steps == before:  # still accumulating
                 continue
             step = engine.global_steps
             totals = dict(zip(sums, training.all_reduce_sum(list(sums.values()))))
-            n = max(totals.pop("pairs"), 1.0)
-            metrics = {f"train_{k}": v / n for k, v in totals.items()} | {"lr": engine.get_lr()[0], "step_time_s": busy}
+            metrics = {f"train_{k}": v for k, v in averages(totals).items()} | {"lr": engine.get_lr()[0],
+                                                                                   "step_time_s": busy}
             metrics |= {f"{phase}_s": seconds for phase, seconds in phases.items()}  # rank 0's time in each phase
             busy, sums, phases = 0.0, {}, {}
             if step % cfg.eval_every == 0 or step == total:
@@ -448,7 +485,12 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
 
     data = ctx.inputs["preference_data"]
     init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
-    n_pairs = json.loads((data / "meta.json").read_text())["rows"]["train"]
+    meta = json.loads((data / "meta.json").read_text())
+    n_pairs, unpaired = meta["rows"]["train"], sum(meta.get("unpaired", {}).values())
+    if unpaired and cfg.loss != "kto":
+        raise UserError(f"stages.dpo: {unpaired} preference rows are unpaired (one completion labelled desirable or "
+                        f"undesirable), which loss {cfg.loss} cannot train on; set stages.dpo.loss: kto, or give "
+                        "prompt/chosen/rejected pairs")
     steps = total_steps(n_pairs, cfg)
     if steps < 1:
         raise UserError(f"stages.dpo: {n_pairs} training pairs make no full optimizer step with batch_size "

@@ -313,7 +313,12 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
 
     data = ctx.inputs["preference_data"]
     init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
-    n_pairs = json.loads((data / "meta.json").read_text())["rows"]["train"]
+    meta = json.loads((data / "meta.json").read_text())
+    n_pairs, unpaired = meta["rows"]["train"], sum(meta.get("unpaired", {}).values())
+    if unpaired:
+        raise UserError(f"stages.reward: {unpaired} preference rows are unpaired (one completion labelled desirable or "
+                        "undesirable); a reward model trains on pairs. Give prompt/chosen/rejected rows, or train on "
+                        "labelled rows with stages.dpo (loss: kto) and set stages.reward: null")
     steps = total_steps(n_pairs, cfg)
     if steps < 1:
         raise UserError(f"stages.reward: {n_pairs} training pairs make no full optimizer step with batch_size "

@@ -120,11 +120,27 @@ def _write_user_files(tmp_path):
 
 def test_user_files_with_bad_rows_dropped_and_counted(ray_local, run_dir, tracking_uri, tmp_path):
     sft, pref, prompts = _write_user_files(tmp_path)
+    unpaired = tmp_path / "unpaired.jsonl"  # KTO's data: completions labelled desirable or undesirable
+    unpaired.write_text("".join(json.dumps({"prompt": f"What is {i} + 5?", "completion": str(i + 5 + i % 2),
+                                            "label": i % 2 == 0}) + "\n" for i in range(6)))
     outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]",
-                          f"stages.data.sources.preference=[{pref}]", f"stages.data.sources.prompts=[{prompts}]",
-                          "stages.data.eval_fraction=0.3")
+                          f"stages.data.sources.preference=[{pref}, {unpaired}]",
+                          f"stages.data.sources.prompts=[{prompts}]", "stages.data.eval_fraction=0.3")
     assert (m["sft_rows_bad"], m["sft_rows_duplicate"], m["sft_train_rows"] + m["sft_eval_rows"]) == (2, 1, 20)
-    assert (m["preference_rows_bad"], m["preference_train_rows"] + m["preference_eval_rows"]) == (1, 20)
+    assert (m["preference_rows_bad"], m["preference_train_rows"] + m["preference_eval_rows"]) == (1, 26)
+    meta = json.loads((outputs["preference_data"] / "meta.json").read_text())
+    assert m["preference_train_unpaired"] + m["preference_eval_unpaired"] == sum(meta["unpaired"].values()) == 6
+    # the stages that train on pairs refuse unpaired rows before any work, naming the fix
+    from types import SimpleNamespace
+
+    from pipeline.errors import UserError
+    from stages import dpo, reward
+
+    ctx = SimpleNamespace(inputs={"preference_data": outputs["preference_data"], "sft_model": tmp_path})
+    with pytest.raises(UserError, match="6 preference rows are unpaired .* stages.dpo \\(loss: kto\\)"):
+        reward.run(reward.RewardConfig(), ctx)
+    with pytest.raises(UserError, match="loss dpo cannot train on them; set stages.dpo.loss: kto"):
+        dpo.run(dpo.DPOConfig(), ctx)
     assert m["prompts_rows_bad"] == 0 and m["prompts_train_rows"] + m["prompts_eval_rows"] == 20
     assert min(m[f"{k}_{s}_rows"] for k in ("sft", "preference", "prompts") for s in ("train", "eval")) > 0
     rows = read(outputs["prompt_data"] / "train") + read(outputs["prompt_data"] / "eval")

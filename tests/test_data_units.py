@@ -107,6 +107,22 @@ def test_parquet_footer_readers_are_capped_at_the_file_count(tmp_path, monkeypat
     assert seen[-1][1] == "7" and os.environ[parquet.ENV] == "7"
 
 
+def test_an_unpaired_row_is_one_conversation_with_its_absent_side_masked_out(tokenizer, tmp_path):
+    """What the dpo stage's KTO reads (and the reward stage and the paired losses refuse): both sides hold the
+    conversation, the desirable row's answer masked on the chosen side only, the undesirable's on the rejected."""
+    from stages.data import Tokenize
+
+    tokenizer.save_pretrained(tmp_path)
+    tok = Tokenize(str(tmp_path), 256, None)
+    good, fits = tok._row("preference", {"prompt": "1 + 1?", "chosen": "2", "rejected": "", "label": True})
+    bad, _ = tok._row("preference", {"prompt": "1 + 1?", "chosen": "", "rejected": "3", "label": False})
+    assert fits and good["chosen_input_ids"] == good["rejected_input_ids"]
+    assert any(good["chosen_loss_mask"]) and not any(good["rejected_loss_mask"])
+    assert any(bad["rejected_loss_mask"]) and not any(bad["chosen_loss_mask"])
+    answer = [t for t, m in zip(bad["rejected_input_ids"], bad["rejected_loss_mask"]) if m]
+    assert tok.tok.decode(answer).startswith("3")
+
+
 def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
     """A conversation with `tool_calls` is kept only where the model's chat template renders them: the built-in
     ChatML template does not, so such a row is refused with its reason, never trained with the call dropped."""

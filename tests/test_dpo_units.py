@@ -12,8 +12,8 @@ import torch
 from conftest import SMOKE
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-from stages.dpo import (DPOConfig, Reference, batch_loss, batch_metrics, collate, kto_kl, kto_losses, logps,
-                        mismatched, pair_losses, sequence_logps)
+from stages.dpo import (DPOConfig, Reference, averages, batch_loss, batch_metrics, collate, completions, kto_kl,
+                        kto_losses, logps, mismatched, pair_losses, sequence_logps)
 
 
 def t(*xs):
@@ -55,9 +55,14 @@ def test_simpo_uses_mean_token_log_probs_without_a_reference_and_a_target_margin
 
 def test_kto_scores_chosen_as_desirable_and_rejected_as_undesirable_around_the_kl():
     # log-ratios 1 and -1, KL 0.5, beta 2: desirable 1 - sigmoid(2 x 0.5), undesirable 1 - sigmoid(2 x 1.5)
-    loss, _, _ = kto_losses(2.0, t(-1.0), t(-3.0), t(-2.0), t(-2.0), torch.tensor(0.5), 1.0, 3.0)
+    total, examples, _, _ = kto_losses(2.0, t(-1.0), t(-3.0), t(-2.0), t(-2.0), torch.tensor(0.5), 1.0, 3.0)
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
-    assert loss.item() == pytest.approx((1 - sig(1.0) + 3.0 * (1 - sig(3.0))) / 2, abs=1e-6)
+    assert examples.item() == 2  # a pair is two examples
+    assert total.item() == pytest.approx(1 - sig(1.0) + 3.0 * (1 - sig(3.0)), abs=1e-6)
+    # an unpaired undesirable row is one example: its absent chosen side adds nothing
+    total, examples, _, _ = kto_losses(2.0, t(-1.0), t(-3.0), t(-2.0), t(-2.0), torch.tensor(0.5), 1.0, 3.0,
+                                       has_chosen=t(0.0), has_rejected=t(1.0))
+    assert examples.item() == 1 and total.item() == pytest.approx(3.0 * (1 - sig(3.0)), abs=1e-6)
 
 
 def test_kto_kl_is_the_mean_mismatched_log_ratio_and_never_negative():
@@ -92,6 +97,21 @@ def test_kto_pairs_each_prompt_with_the_next_rows_answer():
     assert out_masks == [[0, 0, 1, 0], [0, 1, 1, 0]]
 
 
+def test_kto_mismatches_take_an_unpaired_rows_one_answer():
+    batch = {"chosen_input_ids": [[1, 10, 0], [2, 20, 0]], "chosen_loss_mask": [[0, 1, 1], [0, 0, 0]],
+             "rejected_input_ids": [[1, 10, 0], [2, 20, 0]], "rejected_loss_mask": [[0, 0, 0], [0, 1, 1]]}
+    assert completions(batch) == ([[1, 10, 0], [2, 20, 0]], [[0, 1, 1], [0, 1, 1]])
+    assert mismatched(*completions(batch))[0] == [[1, 20, 0], [2, 10, 0]]
+    b = collate(batch, pad_id=0, kto=True)
+    assert b["has_chosen"].tolist() == [1.0, 0.0] and b["has_rejected"].tolist() == [0.0, 1.0]
+
+
+def test_averages_take_the_loss_over_rows_and_the_rest_over_pairs():
+    assert averages({"loss": 3.0, "rows": 3.0, "pairs": 2.0, "reward_accuracy": 1.0}) == {
+        "loss": 1.0, "reward_accuracy": 0.5}
+    assert averages({"loss": 3.0, "rows": 3.0, "pairs": 0.0, "reward_accuracy": 0.0}) == {"loss": 1.0}  # no pairs
+
+
 PAIRS = {"chosen_input_ids": [[5, 6, 7], [5, 8, 9, 9]], "chosen_loss_mask": [[0, 1, 1], [0, 0, 1, 1]],
          "rejected_input_ids": [[5, 6, 8, 8], [5, 8]], "rejected_loss_mask": [[0, 1, 1, 1], [0, 1]]}
 
@@ -124,7 +144,7 @@ def test_a_policy_equal_to_its_reference_has_the_loss_of_a_coin_and_learns_from_
     cfg = DPOConfig(beta=0.1)
     b = collate(PAIRS, pad_id=0)
     policy, lengths = logps(tiny, b)
-    loss, parts = batch_loss(cfg, policy, lengths, policy.detach())
+    loss, parts = batch_loss(cfg, policy, lengths, policy.detach(), b)
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)  # every log-ratio 0
     m = batch_metrics(parts)
     assert m["pairs"] == 2 and m["reward_accuracy"] == 1.0 and m["reward_margin"] == 0  # two ties: chance
@@ -185,3 +205,17 @@ def test_the_dpo_graph_is_refused_where_it_cannot_run():
 
     dpo = next(s for s in stages_for(cfg) if s.name == "dpo")
     assert "sft_model" not in dpo.inputs and "base_model" in dpo.inputs
+
+
+def test_tune_sweeps_dpo_on_what_it_reports():
+    sweep = ('stages.tune={"target": "dpo", "metric": "eval_reward_accuracy", "mode": "max", '
+             '"search_space": {"beta": {"choice": [0.1, 0.5]}}}')
+    cfg = load_config(SMOKE, ["stages.ppo=null", DPO, sweep])
+    assert cfg.stages.tune.target == "dpo"
+    from pipeline.registry import stages_for
+
+    assert next(s for s in stages_for(cfg) if s.name == "tune").code == ("stages.dpo",)
+    with pytest.raises(ConfigError, match="dpo does not report 'eval_accuracy_gold'"):
+        load_config(SMOKE, ["stages.ppo=null", DPO, sweep.replace("eval_reward_accuracy", "eval_accuracy_gold")])
+    with pytest.raises(ConfigError, match="beta"):  # every listed value must be valid for the target
+        load_config(SMOKE, ["stages.ppo=null", DPO, sweep.replace("0.5", "-1")])

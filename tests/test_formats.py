@@ -80,6 +80,23 @@ def test_preference_strings_and_trl_conversational_shapes():
     assert classify_row("preference", {"prompt": "p", "chosen": "a"})[1] == "unknown_format"
 
 
+def test_unpaired_rows_labelled_desirable_or_undesirable_fill_one_side():
+    """TRL's unpaired preference shape (KTO's data): the completion is the chosen side when desirable, the
+    rejected side when not, the other side empty; labels as people write them (CSV cells are strings)."""
+    for label in (True, 1, "true", "desirable", "1", 1.0):
+        good, err = check_row("preference", {"prompt": "p", "completion": "a", "label": label})
+        assert err == "" and (good["chosen"], good["rejected"], good["label"]) == ("a", "", True), label
+    for label in (False, 0, "False", "undesirable", "0"):
+        good, err = check_row("preference", {"prompt": "p", "completion": "a", "label": label})
+        assert err == "" and (good["chosen"], good["rejected"], good["label"]) == ("", "a", False), label
+    conversational = {"prompt": [{"role": "user", "content": "p"}],
+                      "completion": [{"role": "assistant", "content": "a"}], "label": True}
+    assert check_row("preference", conversational)[0] == check_row(
+        "preference", {"prompt": "p", "completion": "a", "label": True})[0]
+    assert classify_row("preference", {"prompt": "p", "completion": "a", "label": "maybe"})[1] == "bad_label"
+    assert classify_row("preference", {"prompt": "p", "completion": " ", "label": 1})[1] == "empty_field"
+
+
 def test_prompt_rows_keep_extra_columns_and_map_theirs():
     good, err = check_row("prompts", {"prompt": "p", "answer": 42, "tests": ["assert f(1) == 2"], "level": 3})
     assert err == "" and good["answer"] == "42" and good["extra"] == {"tests": ["assert f(1) == 2"], "level": 3}

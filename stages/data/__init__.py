@@ -298,6 +298,13 @@ class Tokenize:
             ids, mask = ids[: self.max_len], mask[: self.max_len]  # truncate; usable while a reply remains
             return {"prompt": row["key"], "input_ids": ids, "loss_mask": mask}, any(mask)
         prompt = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        if kind == "preference" and "label" in row:  # unpaired (KTO): one conversation, the absent side masked out
+            ids, mask = self._conversation(prompt + [{"role": "assistant", "content": row["chosen"] or row["rejected"]}])
+            none = [0] * len(ids)
+            out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
+                   "chosen_input_ids": ids, "chosen_loss_mask": mask if row["label"] else none,
+                   "rejected_input_ids": ids, "rejected_loss_mask": none if row["label"] else mask}
+            return out, len(ids) <= self.max_len
         if kind == "preference":
             c_ids, c_mask = self._conversation(prompt + [{"role": "assistant", "content": row["chosen"]}])
             r_ids, r_mask = self._conversation(prompt + [{"role": "assistant", "content": row["rejected"]}])
@@ -459,8 +466,8 @@ def _reasons(counts: dict[str, int]) -> str:
     return (": " + ", ".join(f"{n} {code}" for code, n in counts.items())) if counts else ""
 
 
-def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_storage: storage.RunStorage) -> tuple[int, int]:
-    """Write one (kind, split) to Parquet; return (rows, tokens) read back from the files."""
+def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_storage: storage.RunStorage) -> tuple[int, int, int]:
+    """Write one (kind, split) to Parquet; return (rows, tokens, unpaired preference rows) read back from the files."""
     import pyarrow.parquet as pq
 
     from ray.data.expressions import col
@@ -474,9 +481,13 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_stora
     run_storage.write_parquet(part, dest)
     files = sorted(dest.glob("*.parquet"))
     if not files:
-        return 0, 0
+        return 0, 0, 0
     n_tokens = pq.ParquetDataset(files).read(columns=["num_tokens"]).column("num_tokens").to_pylist()
-    return len(n_tokens), sum(n_tokens)
+    unpaired = 0
+    if kind == "preference":  # one side empty: a completion labelled desirable or undesirable
+        sides = pq.ParquetDataset(files).read(columns=["chosen", "rejected"]).to_pydict()
+        unpaired = sum(not c or not r for c, r in zip(sides["chosen"], sides["rejected"]))
+    return len(n_tokens), sum(n_tokens), unpaired
 
 
 def _check_not_empty(kind: str, m: dict[str, int], had_input: bool, first_reason=lambda kind: "") -> None:
@@ -555,8 +566,10 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
                     - unique,
                     f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
         for split in ("train", "eval"):
-            rows, n_tokens = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split, ctx.storage)
+            rows, n_tokens, unpaired = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split, ctx.storage)
             metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
+            if kind == "preference":
+                metrics[f"preference_{split}_unpaired"] = unpaired
         if kind == "prompts" and cfg.sources.eval:  # the user's eval set: its own counts
             metrics |= {"eval_rows_bad": sum(n for (k, _), n in bad.items() if k == "eval"),
                         "prompts_rows_in_eval_set": per_kind.get(("prompts", "in_eval_set"), 0)}
@@ -569,6 +582,8 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
             "kind": kind, "tokenizer": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
             "packed": cfg.pack and kind == "sft", "columns": [*COLUMNS[kind], "num_tokens"],
             "rows": {s: metrics[f"{kind}_{s}_rows"] for s in ("train", "eval")},
+            **({"unpaired": {s: metrics[f"preference_{s}_unpaired"] for s in ("train", "eval")}}
+               if kind == "preference" else {}),
         }, indent=2))
         ctx.progress(f"{kind}: {metrics[f'{kind}_train_rows']} train / {metrics[f'{kind}_eval_rows']} eval rows "
                      f"({metrics[f'{kind}_rows_bad']} invalid{_reasons(reasons)}, {metrics[f'{kind}_rows_duplicate']} duplicate, "

@@ -10,6 +10,7 @@ Three kinds of rows feed the pipeline; each kind accepts the formats people alre
 | `sft`        | `alpaca`            | `instruction`, optional `input`, `output` (optional `system`)         |
 | `sft`        | `prompt_completion` | `prompt` + `completion` (or `response`), strings or message lists    |
 | `preference` | `preference`        | `prompt` + `chosen` + `rejected`, strings or message lists (TRL's conversational shape, the prompt explicit or the shared prefix of `chosen` and `rejected`) |
+| `preference` | `unpaired`          | `prompt` + `completion` + `label` (TRL's unpaired preference shape: true/1/"desirable" or false/0/"undesirable"); only `stages.dpo.loss: kto` trains on them |
 | `prompts`    | `prompts`           | `prompt` (string or message list), optional `answer`, any other columns (kept for reward functions) |
 
 `detect_format` picks a format from a row's columns (`auto`); `map_columns` applies a source's
@@ -36,7 +37,7 @@ from typing import Any, Iterator
 KINDS = ("sft", "preference", "prompts")
 FORMATS = {
     "sft": ("messages", "sharegpt", "alpaca", "prompt_completion"),
-    "preference": ("preference",),
+    "preference": ("preference", "unpaired"),
     "prompts": ("prompts",),
 }
 ROLES = ("system", "user", "assistant", "tool")
@@ -106,8 +107,11 @@ def detect_format(kind: str, columns) -> str:
     if kind == "preference":
         if {"chosen", "rejected"} <= cols:
             return "preference"
+        if {"prompt", "completion", "label"} <= cols:
+            return "unpaired"
         raise RowError("unknown_format", f"preference rows need 'chosen' and 'rejected' (and 'prompt', unless both "
-                       f"are whole conversations); found {', '.join(sorted(cols)) or 'none'}; map yours with `columns:`")
+                       f"are whole conversations), or 'prompt', 'completion' and 'label' (unpaired, for KTO); found "
+                       f"{', '.join(sorted(cols)) or 'none'}; map yours with `columns:`")
     if kind == "prompts":
         if "prompt" in cols:
             return "prompts"
@@ -276,6 +280,29 @@ def _preference(row: dict) -> dict:
     return out
 
 
+LABELS = {True: True, False: False, 1: True, 0: False, "true": True, "false": False, "1": True, "0": False,
+          "desirable": True, "undesirable": False, "yes": True, "no": False}
+
+
+def _unpaired(row: dict) -> dict:
+    """{prompt, chosen or rejected, label}: one completion labelled desirable (it is the `chosen` side, `rejected`
+    empty) or undesirable (the `rejected` side), TRL's unpaired preference shape (KTO's data)."""
+    raw = row.get("label")
+    label = LABELS.get(raw.strip().lower() if isinstance(raw, str) else raw) if not isinstance(raw, float) else \
+        LABELS.get(int(raw)) if raw in (0.0, 1.0) else None
+    if label is None:
+        raise RowError("bad_label", f"'label' must be true/false, 1/0 or desirable/undesirable, got {raw!r}")
+    prompt_turns = _turns(row.get("prompt"), "prompt", "user")
+    if prompt_turns[-1]["role"] != "user":
+        raise RowError("bad_order", "the prompt must end with a user message")
+    completion = _reply(_turns(row.get("completion"), "completion", "assistant"), "completion")
+    out = {"key": prompt_turns[-1]["content"], "prompt": prompt_turns[-1]["content"],
+           "chosen": completion if label else "", "rejected": "" if label else completion, "label": label}
+    if prompt_turns != [{"role": "user", "content": out["prompt"]}]:
+        out["messages"] = prompt_turns
+    return out
+
+
 def _jsonable(value: Any) -> Any:
     """Extra columns as JSON values (dates and other scalars become their text)."""
     return json.loads(json.dumps(value, default=str))
@@ -331,7 +358,7 @@ def _canonical(kind: str, row: dict[str, Any], fmt: str) -> dict:
         key = next((m["content"] for m in messages if m["role"] == "user"), messages[0]["content"])
         return {"key": key, "messages": messages}
     if kind == "preference":
-        return _preference(row)
+        return _unpaired(row) if fmt == "unpaired" else _preference(row)
     return _prompt(row)
 
 
