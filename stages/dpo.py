@@ -63,6 +63,10 @@ class DPOConfig(TrainingConfig):
                                    "DPO, cDPO): the loss also rewards the opposite preference with this weight. "
                                    "dpo and simpo only.")
     simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin gamma (the logits are shifted by gamma/beta).")
+    sft_weight: float = Field(0.0, ge=0, description="Weight of a language-modelling loss on the chosen answers (their "
+                              "mean token negative log-likelihood) added to the preference loss: RPO (Pang et al. 2024; "
+                              "TRL loss_type [sigmoid, sft] with loss_weights [1, w]). It keeps the chosen answers' own "
+                              "likelihood from falling with the rejected ones', the way DPO fails on reasoning tasks.")
     kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable (chosen) answers' loss.")
     kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable (rejected) answers' loss.")
     reference: Literal["auto", "adapter_off", "frozen_copy", "precomputed"] = Field(
@@ -166,6 +170,12 @@ def kto_losses(beta: float, chosen, rejected, ref_chosen, ref_rejected, kl, desi
             beta * lc.detach(), beta * lr.detach())
 
 
+def chosen_nll(chosen, chosen_len, has_chosen):
+    """The chosen answers' mean token negative log-likelihood over the batch (TRL's `sft` loss type): summed
+    log-probs over summed lengths, rows without a chosen answer left out."""
+    return -(chosen * has_chosen).sum() / (chosen_len * has_chosen).sum().clamp(min=1)
+
+
 def kto_kl(mismatched, ref_mismatched):
     """KTO's reference point: the batch mean of log-ratios of mismatched answers (another prompt's answer
     under this prompt), at least 0 (TRL KTOTrainer's `kl`, per micro-batch here)."""
@@ -247,6 +257,8 @@ def batch_loss(cfg: DPOConfig, policy, lengths, ref, batch: dict):
         per, chosen_r, rejected_r = pair_losses(cfg.loss, cfg.beta, pc, pr, rc, rr, lengths[:n], lengths[n:2 * n],
                                                 cfg.label_smoothing, cfg.simpo_gamma)
         loss = per.mean()
+    if cfg.sft_weight:
+        loss = loss + cfg.sft_weight * chosen_nll(pc, lengths[:n], batch["has_chosen"].to(pc.device))
     return loss, parts | {"chosen_reward": chosen_r, "rejected_reward": rejected_r}
 
 
@@ -338,7 +350,7 @@ def _evaluate(engine, batches, reference: Reference, cfg: DPOConfig) -> dict[str
             policy, lengths = logps(engine, batch)
             loss, parts = batch_loss(cfg, policy, lengths, reference(batch, "eval", i), batch)
             rows = parts["chosen_reward"].shape[0]
-            for k, v in (batch_metrics(parts) | {"loss": float(loss) * rows, "rows": float(rows)}).items():
+            for k, v in (batch_metrics(parts) | {"loss": loss.item() * rows, "rows": float(rows)}).items():
                 sums[k] = sums.get(k, 0.0) + v
     engine.train()
     totals = dict(zip(sums, all_reduce_sum(list(sums.values()))))
@@ -423,7 +435,7 @@ def train_loop(c: dict) -> None:
                 phases[phase] = phases.get(phase, 0.0) + seconds
             busy += t4 - t0
             rows = parts["chosen_reward"].shape[0]
-            for k, v in (batch_metrics(parts) | {"loss": float(loss) * rows, "rows": float(rows)}).items():
+            for k, v in (batch_metrics(parts) | {"loss": loss.item() * rows, "rows": float(rows)}).items():
                 sums[k] = sums.get(k, 0.0) + v
             if engine.global_steps == before:  # still accumulating
                 continue

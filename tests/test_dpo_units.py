@@ -219,3 +219,16 @@ def test_tune_sweeps_dpo_on_what_it_reports():
         load_config(SMOKE, ["stages.ppo=null", DPO, sweep.replace("eval_reward_accuracy", "eval_accuracy_gold")])
     with pytest.raises(ConfigError, match="beta"):  # every listed value must be valid for the target
         load_config(SMOKE, ["stages.ppo=null", DPO, sweep.replace("0.5", "-1")])
+
+
+def test_sft_weight_adds_the_chosen_answers_mean_token_nll():
+    from stages.dpo import chosen_nll
+
+    # chosen log-probs -2 over 4 tokens and -4 over 4 tokens: NLL 6 / 8; an unpaired undesirable row left out
+    assert chosen_nll(t(-2.0, -4.0, -9.0), t(4, 4, 3), t(1, 1, 0)).item() == pytest.approx(0.75)
+    b = collate(PAIRS, pad_id=0)
+    policy = t(-1.0, -2.0, -3.0, -3.0)
+    lengths = t(2, 2, 3, 1)
+    plain, _ = batch_loss(DPOConfig(), policy, lengths, policy, b)
+    mixed, _ = batch_loss(DPOConfig(sft_weight=0.5), policy, lengths, policy, b)
+    assert mixed.item() == pytest.approx(plain.item() + 0.5 * 3.0 / 4, abs=1e-6)

@@ -449,3 +449,28 @@ def test_deepspeed_resumes_only_from_safe_checkpoints_whichever_checkpoint_engin
         for how in ("engine.load_checkpoint", "training.load_checkpoint"):
             assert "does not allow" in r[how], (name, how, r)
         assert not r["planted_code_ran"], name
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_the_first_steps_train_at_the_schedules_lr(schedule, warmup):
+    """DeepSpeed's own schedulers, fed our block: without a warm-up the first step trains at the peak lr
+    (DeepSpeed's warm-up lasts at least 2 steps from its minimum, which once made a constant-lr job train its
+    first two steps at 0 and lr/2); with one, the lr climbs from 0 to the peak at step `warmup`."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from stages.common.deepspeed import TrainingConfig, lr_scheduler
+
+    block = lr_scheduler(TrainingConfig(lr=1e-3, lr_schedule=schedule, warmup_steps=warmup, min_lr_ratio=0.1), 20)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = getattr(lr_schedules, block["type"])(opt, **block["params"])
+    lrs = []
+    for _ in range(5):  # the lr each optimizer step trains at, then the step DeepSpeed takes after it
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    if warmup == 0:
+        assert lrs[0] == pytest.approx(1e-3) and lrs[1] == pytest.approx(1e-3, rel=0.05)
+    else:  # DeepSpeed's warm-up: two steps at 0, then up to the peak at step warmup + 2
+        assert lrs[0] == lrs[1] == 0 and lrs[1] < lrs[2] < lrs[3] < lrs[4] == pytest.approx(1e-3, rel=0.05)

@@ -378,15 +378,23 @@ def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
 
 
 def lr_scheduler(cfg: TrainingConfig, total_steps: int) -> dict:
-    """DeepSpeed's scheduler block for `cfg.lr_schedule` (warmup, then constant, linear or cosine)."""
+    """DeepSpeed's scheduler block for `cfg.lr_schedule` (warmup, then constant, linear or cosine).
+
+    DeepSpeed's warm-up starts at its minimum and lasts at least 2 steps whatever `warmup_num_steps` says,
+    so without a warm-up (`warmup_steps: 0`) the minimum is the peak itself: otherwise the first two steps
+    trained at lr 0 and lr/2 (found by bench/peer_trl_dpo.py, whose constant-lr job logged lr 0, 0, 5e-5).
+    With a warm-up of w steps, DeepSpeed trains steps 1 and 2 at lr 0 and reaches the peak at step w + 2."""
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    start = 0.0 if warmup else 1.0  # the warm-up's first lr, as a fraction of the peak
     if cfg.lr_schedule == "constant":
-        return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+        return {"type": "WarmupLR", "params": {"warmup_min_lr": start * cfg.lr, "warmup_max_lr": cfg.lr,
                                                "warmup_num_steps": max(warmup, 1), "warmup_type": "linear"}}
     if cfg.lr_schedule == "linear":
-        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr,
+        return {"type": "WarmupDecayLR", "params": {"warmup_min_lr": start * cfg.lr, "warmup_max_lr": cfg.lr,
                                                     "warmup_num_steps": max(warmup, 1), "warmup_type": "linear",
                                                     "total_num_steps": max(total_steps, warmup + 1)}}
+    # WarmupCosineLR reads lr 0 before its first step whatever its minimum: without a warm-up it starts as started
+    started = {} if warmup else {"last_batch_iteration": 0}
     return {"type": "WarmupCosineLR", "params": {"total_num_steps": max(total_steps, warmup + 1),
-                                                 "warmup_num_steps": max(warmup, 1), "warmup_min_ratio": 0.0,
-                                                 "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}}
+                                                 "warmup_num_steps": max(warmup, 1), "warmup_min_ratio": start,
+                                                 "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear", **started}}
