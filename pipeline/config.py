@@ -99,7 +99,7 @@ class StagesConfig(Section):
     batch_infer: BatchInferConfig | None = Field(None, description="The batch_infer stage (Ray Data LLM over a "
                                                  "prompts dataset); empty: no such stage (the batch-infer command "
                                                  "still works).")
-    tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward or ppo); "
+    tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward, dpo or ppo); "
                                     "empty: no sweep. See the README's tune section.")
 
 

@@ -2,7 +2,7 @@
 
     stages:
       tune:
-        target: sft                                   # sft, reward or ppo
+        target: sft                                   # sft, reward, dpo or ppo
         search_space:
           lr: {loguniform: [1.0e-4, 1.0e-2]}          # keys are field paths of stages.sft
           deepspeed.zero_stage: {choice: [0, 2]}
