@@ -26,13 +26,23 @@ from learning import fmt, manifest_metrics, run_pipeline  # bench/ is the script
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pairs_curve(tracking_uri: str, run_id: str) -> list[list[float]]:
+    """[step, held-out implicit-reward accuracy, seconds since the dpo stage's MLflow run started] per evaluation."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    start = client.get_run(run_id).info.start_time
+    history = client.get_metric_history(run_id, "eval_reward_accuracy")
+    first: dict[int, tuple[float, int]] = {}  # the stage logs its final metrics again at the end: keep the worker's
+    for h in sorted(history, key=lambda h: h.timestamp):
+        first.setdefault(h.step, (h.value, h.timestamp))
+    return [[step, value, round((ts - start) / 1000, 1)] for step, (value, ts) in sorted(first.items())]
+
+
 def row(seed: int, summary: dict) -> dict:
     m, entry = manifest_metrics(summary, "dpo")
     manifest = json.loads((Path(entry["artifact"]) / "manifest.json").read_text())
-    from mlflow.tracking import MlflowClient
-
-    history = MlflowClient(summary["tracking_uri"]).get_metric_history(entry["mlflow_run_id"], "eval_reward_accuracy")
-    curve = sorted({h.step: h.value for h in history}.items())
+    curve = pairs_curve(summary["tracking_uri"], entry["mlflow_run_id"])
     return {
         "seed": seed, "loss": manifest["components"]["config"]["stages.dpo"]["loss"], "pairs_accuracy_start": curve[0][1] if curve else None,
         "pairs_accuracy": m["eval_reward_accuracy"], "pairs_margin": m["eval_reward_margin"],

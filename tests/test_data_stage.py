@@ -139,7 +139,7 @@ def test_user_files_with_bad_rows_dropped_and_counted(ray_local, run_dir, tracki
     ctx = SimpleNamespace(inputs={"preference_data": outputs["preference_data"], "sft_model": tmp_path})
     with pytest.raises(UserError, match="6 preference rows are unpaired .* stages.dpo \\(loss: kto\\)"):
         reward.run(reward.RewardConfig(), ctx)
-    with pytest.raises(UserError, match="loss dpo cannot train on them; set stages.dpo.loss: kto"):
+    with pytest.raises(UserError, match="which loss dpo cannot train on; set stages.dpo.loss: kto"):
         dpo.run(dpo.DPOConfig(), ctx)
     assert m["prompts_rows_bad"] == 0 and m["prompts_train_rows"] + m["prompts_eval_rows"] == 20
     assert min(m[f"{k}_{s}_rows"] for k in ("sft", "preference", "prompts") for s in ("train", "eval")) > 0

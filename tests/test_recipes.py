@@ -81,7 +81,7 @@ def test_the_dpo_recipe_resumes_after_a_fault_and_serves_its_model(smoke_trained
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_dir = smoke_trained(tmp_path / "run")
     cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking}", *CLI_RUN, *at_smoke_size(RECIPES / "dpo.yaml"),
-                       "stages.serve.deploy=false")
+                       "stages.serve.deploy=false", "stages.dpo.max_failures=0")  # the fault fails the run
     assert cfg.stages.dpo.reference_kind() == "precomputed"
     monkeypatch.setenv("PIPELINE_FAULT_AFTER_STEP", "3")
     with pytest.raises(Exception, match="injected fault after step 3"):
