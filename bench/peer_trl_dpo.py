@@ -113,7 +113,7 @@ def dpo_overrides(steps: int, workers: int, zero: int, reference: str) -> list[s
     p = "stages.dpo."
     return [f"{p}max_steps={steps}", f"{p}epochs=1", f"{p}batch_size={BATCH}", f"{p}micro_batch_size={MICRO}",
             f"{p}num_workers={workers}", f"{p}lr={LR}", f"{p}lr_schedule=constant", f"{p}warmup_steps=0",
-            f"{p}weight_decay=0.0", f"{p}grad_clip=1.0", f"{p}loss=dpo", f"{p}beta={BETA}", f"{p}label_smoothing=0.0",
+            f"{p}weight_decay=0.0", f"{p}grad_clip=1.0", f"{p}loss=dpo", f"{p}beta={BETA}", f"{p}label_smoothing=0.0", f"{p}sft_weight=0",
             f"{p}reference={reference}", f"{p}init_from=sft", f"{p}eval_prompts=0", f"{p}eval_every=100000",
             f"{p}checkpoint_every={steps}", f"{p}deepspeed.precision=fp32", f"{p}deepspeed.zero_stage={zero}",
             f"{p}deepspeed.activation_checkpointing=false"]
