@@ -25,6 +25,24 @@ _started = time.time()
 _module_s: dict[str, float] = defaultdict(float)
 
 
+# Collecting the tests imports every test module; one that changes os.environ on import (a library setting
+# its own variables) changes the environment of every subprocess the suite starts afterwards, as a user's
+# shell would not. tests/test_imports.py fails on what this records.
+_ENV_BEFORE_COLLECTION: dict[str, str] = {}
+ENV_CHANGED_BY_COLLECTION: dict[str, tuple[str | None, str | None]] = {}
+
+
+def pytest_collection(session):
+    _ENV_BEFORE_COLLECTION.update(os.environ)
+
+
+def pytest_collection_finish(session):
+    now = dict(os.environ)
+    for key in set(now) | set(_ENV_BEFORE_COLLECTION):
+        if now.get(key) != _ENV_BEFORE_COLLECTION.get(key):
+            ENV_CHANGED_BY_COLLECTION[key] = (_ENV_BEFORE_COLLECTION.get(key), now.get(key))
+
+
 def pytest_runtest_logreport(report):
     _module_s[report.nodeid.split("::")[0]] += report.duration
 

@@ -22,14 +22,23 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
-import pytest
-import torch
-from datasets import Dataset
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from trl import DPOConfig, DPOTrainer
-from trl.experimental.cpo import CPOConfig, CPOTrainer
+_ENV = dict(os.environ)  # before any library import (see below)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
+
+# Importing TRL sets VLLM_LOGGING_LEVEL=ERROR (trl/_compat.py) and vLLM's KMP_* and inductor variables in
+# os.environ. Collection imports this module before any test runs, so every subprocess the suite starts
+# afterwards (the command-line smoke run among them) would inherit them and lose vLLM's log lines.
+os.environ.clear()
+os.environ.update(_ENV)
 
 from stages.dpo import collate, logps, pair_losses
 

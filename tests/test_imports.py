@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ENV_CHANGED_BY_COLLECTION, ROOT
 
 
 def test_package_imports_pull_in_no_heavy_packages():
@@ -98,3 +98,10 @@ def test_stages_common_holds_only_what_two_or_more_stages_share():
         users = {m.split(".")[1] for m in graph
                  if m.startswith("stages.") and not m.startswith("stages.common") and reaches(m, module, set())}
         assert len(users) >= 2, f"{module} is used by {sorted(users) or 'no stage'} only; move it to that stage"
+
+
+def test_importing_the_test_modules_leaves_the_environment_as_it_was():
+    """No test module changes os.environ on import: the subprocesses the suite starts later (the
+    command-line smoke run) must see the user's environment. TRL's import set VLLM_LOGGING_LEVEL=ERROR,
+    and the smoke run's ppo log lost vLLM's lines in the full suite only (conftest records the change)."""
+    assert not ENV_CHANGED_BY_COLLECTION, f"changed while collecting (before, after): {ENV_CHANGED_BY_COLLECTION}"
