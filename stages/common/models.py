@@ -15,10 +15,18 @@ from pydantic import Field, field_validator, model_validator
 from pipeline.schema import Section
 
 # ChatML, the format most open chat models use. `{% generation %}` markers are not needed: the
-# data stage finds assistant spans from character offsets, which works for any template.
+# data stage finds assistant spans from character offsets, which works for any template. An assistant
+# message's `tool_calls` render in the Hermes form Qwen and SmolLM3 use, <tool_call>{"name": ...,
+# "arguments": {...}}</tool_call> (vLLM's `hermes` tool parser reads it back), and a tool's answer is a
+# `tool` turn; a conversation without tools renders exactly as plain ChatML.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set f = call['function'] or call %}"
+    '<tool_call>{"name": "{{ f[\'name\'] }}", "arguments": '
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

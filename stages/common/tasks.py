@@ -61,6 +61,11 @@ class TaskConfig(Section):
     operands: int = Field(2, ge=2, le=4, description="Operands per problem, evaluated left to right "
                           "(`3 + 5 - 7`). With more than 2 the worked answer shows each intermediate result "
                           "(`8 - 7 = 1`), so every step is one small fact the model can learn.")
+    calculator: float = Field(0.0, ge=0, le=1, description="Share of the generated SFT answers that call the "
+                              "calculator tool instead of answering in their head: the assistant calls "
+                              "calculator(expression), reads its result in a `tool` turn, then answers 'The answer is "
+                              "N.' (docs/tools.md). With stages.ppo.environment.name: calculator, RL learns when to call "
+                              "it. 0: no tool calls (the default).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig, description="A gold preference over "
                                          "responses that labels the generated pairs and judges RL (empty: none).")
     verifier: str = Field("number", description="How every correctness score (SFT held-out accuracy, the RL rule "
@@ -209,17 +214,35 @@ def label_pair(prompt: str, a: str, b: str, gold, flip: bool) -> tuple[str, str,
 # --------------------------------------------------------------------------- rows
 
 
+def tool_conversation(prompt: str, problem: str, value: int) -> list[dict]:
+    """A worked answer through the calculator tool: the call (OpenAI form, its arguments a JSON string as
+    the API sends them), the tool's result, the stated answer."""
+    import json
+
+    call = {"type": "function", "function": {"name": "calculator", "arguments": json.dumps({"expression": problem})}}
+    return [{"role": "user", "content": prompt, "tool_calls": None},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": str(value), "tool_calls": None},
+            {"role": "assistant", "content": f"The answer is {value}.", "tool_calls": None}]
+
+
 def sft_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
     """`n` chat conversations (user question, assistant worked answer; with a gold preference, the answer in
-    one of the four `STYLES`, drawn evenly)."""
+    one of the four `STYLES`, drawn evenly; with `calculator`, that share of them through the tool)."""
     rng = random.Random(f"sft-{seed}")
+    tools = random.Random(f"sft-tools-{seed}")  # its own stream: the problems are the same with or without tools
     rows = []
     for _ in range(n):
         prompt, response, value, group = _problem(rng, cfg)
         if cfg.preference.gold:
             response = styled(response, value, rng.randrange(len(STYLES)))
-        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
-                     "group": group})
+        if cfg.calculator and tools.random() < cfg.calculator:
+            rows.append({"messages": tool_conversation(prompt, group, value), "group": group})
+            continue
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        if cfg.calculator:  # one schema for every row (Arrow): the tool rows carry tool_calls
+            messages = [{**m, "tool_calls": None} for m in messages]
+        rows.append({"messages": messages, "group": group})
     return rows
 
 
@@ -273,7 +296,11 @@ def prompt_rows(n: int, seed: int, cfg: TaskConfig) -> list[dict]:
 
 def corpus(cfg: TaskConfig, seed: int, n: int = 2000) -> list[str]:
     """Texts to train the built-in tokenizer on: prompts and answers of every shape the task makes."""
-    texts = [m["content"] for row in sft_rows(n, seed, cfg) for m in row["messages"]]
+    messages = [m for row in sft_rows(n, seed, cfg) for m in row["messages"]]
+    texts = [m["content"] for m in messages]
+    # tool calls as the chat template writes them (models.CHAT_TEMPLATE), so BPE learns their pieces
+    texts += [f'<tool_call>{{"name": "{c["function"]["name"]}", "arguments": {c["function"]["arguments"]}}}</tool_call>'
+              for m in messages for c in m.get("tool_calls") or []]
     texts += [f"{r['chosen']}\n{r['rejected']}" for r in preference_rows(n // 4, seed, cfg)]
     return texts + ["system", "user", "assistant"] * 50
 

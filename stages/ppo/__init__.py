@@ -84,6 +84,7 @@ class _Session:
     gold: Callable[[str, str], float] | None = None  # task.preference.gold: the judge no stage trains on
     verify: Callable[[str, str], bool] | None = None  # task.verifier: what held-out accuracy counts
     moments: Any = None  # rewards.normalize: running statistics of the reward model's scores
+    episode: Any = None  # stages.ppo.episodes.EpisodeSpec with an environment: samples are multi-turn episodes
     groups: dict[str, Any] = field(default_factory=dict)  # role -> ModelGroup
     trained: dict[str, Any] = field(default_factory=dict)  # the trainable roles among them
     pool: Any = None  # the EnginePool
@@ -188,7 +189,9 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
     if heads > 1 or cfg.rewards.ensemble != "mean" and cfg.rewards.model_weight:
         ctx.progress(f"reward model: {heads} score head(s), combined by {cfg.rewards.ensemble}"
                      + ("" if heads > 1 else " (one head: nothing to combine; set stages.reward.heads)"))
-    longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.sampling.max_new_tokens
+    if cfg.environment:
+        s.episode = _episode_spec(cfg)
+    longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
                       storage=ctx.storage)
@@ -199,7 +202,8 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
         roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
         # Everything starts at once (roles and engines load their models concurrently): nothing blocks
         # until every placement group is requested and every actor created.
-        s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False)
+        s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
+                            **({"engine_cls": _agent_engine()} if s.episode else {}))
         pending = {}
         for name, role, kind, model_dir, trainable in roles:
             s.groups[name], pending[name] = _start_role(name, role, kind, model_dir, cfg, trainable, gpu,
@@ -217,6 +221,35 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
 
 
 # --------------------------------------------------------------------------- rollouts
+
+
+def _episode_spec(cfg: PPOConfig):
+    """The environment's settings for the engines; fails here, before anything starts, when the
+    environment class or the tool parser cannot be found."""
+    from stages.ppo.environments import environment_factory
+    from stages.ppo.episodes import EpisodeSpec
+
+    env = cfg.environment
+    environment_factory(env.name, env.options)()  # one instance: a wrong class or option fails now
+    try:
+        from vllm.tool_parsers import ToolParserManager
+
+        ToolParserManager.get_tool_parser(env.tool_parser)
+    except KeyError:
+        raise UserError(f"stages.ppo.environment.tool_parser: vLLM has no tool parser {env.tool_parser!r}; use the "
+                        "one `vllm serve --tool-call-parser` takes for your model (hermes for Qwen, Hermes, SmolLM3 "
+                        "and the built-in model)") from None
+    from stages.ppo.rewards import import_root
+
+    return EpisodeSpec(env.name, dict(env.options), env.max_turns, env.max_tokens, env.tool_timeout_s,
+                       env.max_output_chars, env.tool_parser, env.tool_workers,
+                       import_root(env.name) if ":" in env.name else None)
+
+
+def _agent_engine():
+    from stages.ppo.episodes import AgentEngine
+
+    return AgentEngine
 
 
 @dataclass
@@ -240,12 +273,17 @@ def _sampling(cfg: PPOConfig, seed: int, it: int) -> dict:
             "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
 
 
-def _launch(pool, policy, rows: list[dict], n: int, sampling: dict):
-    """Policy ranks send their prompt shares to the engines (the call returns at once: refs)."""
+def _launch(pool, policy, rows: list[dict], n: int, sampling: dict, episode=None):
+    """Policy ranks send their prompt shares to the engines (the call returns at once: refs); with an
+    environment, each rank's rows too (an environment's `reset` receives the whole row)."""
     from stages.ppo.groups import shard
 
-    return policy.run_each("generate", shard([r["prompt_ids"] for r in rows[::n]], len(policy)), engines=pool.engines,
-                           sampling=sampling)
+    prompts = rows[::n]
+    if episode is None:
+        return policy.run_each("generate", shard([r["prompt_ids"] for r in prompts], len(policy)),
+                               engines=pool.engines, sampling=sampling)
+    return [policy.actors[i].generate.remote(ids, pool.engines, sampling, part, episode) for i, (ids, part) in
+            enumerate(zip(shard([r["prompt_ids"] for r in prompts], len(policy)), shard(prompts, len(policy))))]
 
 
 def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int) -> _Rollouts:
@@ -257,7 +295,7 @@ def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int) -
     if it == fault_at:
         s.pool.kill(0)
     sampling = _sampling(cfg, seed, it)
-    return _Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling))
+    return _Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling, s.episode))
 
 
 def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
@@ -277,7 +315,7 @@ def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
             if not restarted or attempt == 2:
                 raise
             console(f"rollout engine(s) {restarted} died ({type(exc).__name__}); restarted and re-synced, retrying")
-            req.refs = _launch(s.pool, s.role("policy"), req.rows, n, req.sampling)
+            req.refs = _launch(s.pool, s.role("policy"), req.rows, n, req.sampling, s.episode)
     req.wait_s = time.time() - t0
     return req
 
@@ -348,7 +386,7 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     import torch
 
     from stages.ppo import rl
-    from stages.ppo.scoring import generate, score
+    from stages.ppo.scoring import answers_of, generate, rollout_batch, score, with_env_reward
     from stages.ppo.worker import shard_batch
 
     rows = s.eval_rows[: cfg.curve_prompts]
@@ -357,12 +395,13 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     k = cfg.curve_samples
     sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                 "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0, "seed": 54321}
-    flat = generate(s.pool, rows, sampling)
+    flat = generate(s.pool, rows, sampling, s.episode)
     reps = [r for r in rows for _ in range(k)]
-    texts = s.tok.batch_decode([x["ids"] for x in flat], skip_special_tokens=True)
-    batch = rl.make_batch([r["prompt_ids"] for r in reps], [x["ids"] for x in flat], s.tok.pad_token_id)
+    texts = answers_of(s.tok, flat)
+    batch = rollout_batch(reps, flat, s.tok.pad_token_id)
     ref_refs = ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=cfg.micro_batch_size)
     scores, _, raw, spread = score(texts, reps, s.role("reward"), cfg, s.rule, moments=s.moments)
+    scores = with_env_reward(scores, flat, cfg)
     mask = batch["response_mask"]
     policy_lp = rl.pad_rows([x["logprobs"] for x in flat], mask.shape[1])
     ref_lp = torch.cat(ray.get(ref_refs))
@@ -413,7 +452,8 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
         ctx.log_dict(trend["curve"], "overoptimisation.json")
     if before is not None:
         before, before_gold = before
-        after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify)
+        after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
+                                     s.episode)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
         if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
             final.update(gold_win_rate(before_gold, after_gold))
@@ -439,12 +479,13 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
 
 
 def configured_code(cfg: PPOConfig) -> list[str]:
-    """A custom rule reward's module (`rewards.rule: module:function`, or code_tests' sandbox): editing it
-    reruns ppo."""
+    """A custom rule reward's module (`rewards.rule: module:function`, or code_tests' sandbox) and a custom
+    environment's (`environment.name: module:Class`): editing them reruns ppo."""
     from stages.ppo.rewards import BUILTIN
 
     rule = BUILTIN.get(cfg.rewards.rule, cfg.rewards.rule)
-    return [rule.split(":", 1)[0]] if ":" in rule else []
+    env = cfg.environment.name if cfg.environment else ""
+    return [spec.split(":", 1)[0] for spec in (rule, env) if ":" in spec]
 
 
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
@@ -453,7 +494,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     import torch
 
     from stages.ppo import rl
-    from stages.ppo.scoring import evaluate, request_model_scores, samples, score
+    from stages.ppo.scoring import (answers_of, episode_stats, evaluate, request_model_scores, rollout_batch, samples,
+                                    score, trajectories, with_env_reward)
     from stages.ppo.worker import shard_batch
 
     t_stage = time.time()
@@ -465,7 +507,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
         ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
         t_ready = time.time()
         # the SFT policy, on the held-out prompts (and, with a gold preference, each sampled answer's gold score)
-        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule, s.gold, s.moments, s.verify) if s.eval_rows else None
+        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule, s.gold, s.moments, s.verify, s.episode) \
+            if s.eval_rows else None
         kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
         t0 = time.time()
         start, trend = _resume(s, ctx, kl_ctl)
@@ -477,7 +520,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             tok.pad_token_id
         hp = {"epochs": cfg.ppo_epochs, "micro": micro, "clip_eps": cfg.clip_eps, "entropy_coef": cfg.entropy_coef,
               "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
-              "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.sampling.max_new_tokens}
+              "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.response_tokens()}
         metrics: dict[str, float] = {}
         ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
         # 1.-2. sample prompts and generate. Synchronous: each iteration's rollouts come from the weights of
@@ -491,12 +534,12 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             req = _collect(s, nxt, n, ctx.progress)
             if cfg.rollout.async_ and it + 1 < cfg.iterations:
                 nxt = _request(s, cfg, seed, it + 1, fault_at)
-            rows, generated = req.rows, req.generated
-            responses = [x["ids"] for group in generated for x in group]
-            truncated = sum(not x["finished"] for group in generated for x in group) / len(responses)
-            rollout_lp = [x["logprobs"] for group in generated for x in group]
+            rows, flat = req.rows, [x for group in req.generated for x in group]
+            responses = [x["ids"] for x in flat]
+            truncated = sum(not x["finished"] for x in flat) / len(responses)
+            rollout_lp = [x["logprobs"] for x in flat]
             # policy updates made since the weights that generated these rollouts (0 synchronous, <= 1 async)
-            staleness = it - min(x["version"] for group in generated for x in group)
+            staleness = it - min(x["version"] for x in flat)
             if staleness > cfg.rollout.max_staleness():
                 raise AssertionError(f"iteration {it}: rollouts {staleness} updates old exceed the bound "
                                      f"{cfg.rollout.max_staleness()}")
@@ -504,8 +547,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             # 3.-4. score. The reward model, the reference, the old policy and the critic are independent:
             # all four are issued at once and run concurrently on their own ranks; the rule reward meanwhile.
             t0 = time.time()
-            texts = tok.batch_decode(responses, skip_special_tokens=True)
-            batch = rl.make_batch([r["prompt_ids"] for r in rows], responses, pad)
+            texts = answers_of(tok, flat)  # a multi-turn sample's last turn: what the rewards judge
+            batch = rollout_batch(rows, flat, pad)  # the environment's tokens masked out
             shards = shard_batch(batch, len(policy))
             rm_refs = request_model_scores(texts, rows, reward, cfg)
             ref_refs = ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=micro)
@@ -514,6 +557,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
             scores, rule_scores, rm_scores, rm_spread = score(texts, rows, reward, cfg, s.rule, rm_refs, s.moments,
                                                               update=True)
+            scores = with_env_reward(scores, flat, cfg)
             mask, score_t = batch["response_mask"], torch.tensor(scores)
             rollout_lp = rl.pad_rows(rollout_lp, mask.shape[1])
             ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
@@ -552,7 +596,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             metrics = {
                 "reward_mean": float(score_t.mean()), "rule_reward_mean": sum(rule_scores) / len(rule_scores),
                 "kl": seq_kl, "kl_coef": kl_ctl.value, "response_length": gen_tokens / len(rows),
-                "truncated_frac": truncated,  # responses cut off by sampling.max_new_tokens
+                "truncated_frac": truncated,  # cut off by sampling.max_new_tokens (or environment max_turns / max_tokens)
+                **episode_stats(flat),  # with an environment: turns, tool calls, errors and time
                 **{k: v for k, v in stats.items()}, "generate_s": t_gen, "score_s": t_score, "train_s": t_train,
                 "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20, "staleness": staleness,
                 "gen_tokens_per_s": gen_tokens / max(gen_span, 1e-9), "iteration_s": time.time() - t_iter,
@@ -567,9 +612,14 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             trend["kl"].append(seq_kl)
             if cfg.log_samples:
                 ctx.log_dict(samples(rows, texts, scores, rule_scores, cfg.log_samples, n), f"samples/iter_{it + 1:04d}.json")
+            if cfg.environment and cfg.environment.log_trajectories:
+                ctx.log_dict(trajectories(rows, flat, scores, cfg.environment.log_trajectories, n),
+                             f"trajectories/iter_{it + 1:04d}.json")
             ctx.advance(it + 1, cfg.iterations, "iter",
                         f"reward {metrics['reward_mean']:.3f} rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} "
-                        f"len {metrics['response_length']:.1f} | gen {t_gen:.1f}s score {t_score:.1f}s "
+                        f"len {metrics['response_length']:.1f}"
+                        + (f" calls {metrics['tool_calls_per_sample']:.2f}" if "tool_calls_per_sample" in metrics else "")
+                        + f" | gen {t_gen:.1f}s score {t_score:.1f}s "
                         f"train {t_train:.1f}s sync {t_sync:.2f}s")
             # 9. checkpoint
             if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:

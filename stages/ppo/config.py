@@ -163,11 +163,42 @@ class RewardMix(Section):
             raise ValueError(f"must be 'verifier', 'code_tests' or 'module:function', got {v!r}")
         return v
 
-    @model_validator(mode="after")
-    def _something_scores(self) -> "RewardMix":
-        if self.model_weight == 0 and self.rule_weight == 0:
-            raise ValueError("model_weight and rule_weight are both 0: nothing would reward the policy; set one")
-        return self
+
+
+class EnvironmentConfig(Section):
+    """Multi-turn rollouts: each sample talks with an environment (tools, a user) until it is done
+    (docs/tools.md; the protocol is in stages/ppo/environments.py)."""
+
+    name: str = Field(..., description="'calculator' (one tool, calculator(expression): + - * / // % ** and "
+                      "parentheses), 'python' (one tool, python(code): run in the code_tests sandbox, its output "
+                      "returned) or 'module:Class' with reset(row) -> messages | None and step(messages, turn) -> "
+                      "(messages, reward, done), built once per sample with `options`.")
+    options: dict = Field(default_factory=dict, description="Keyword arguments for the environment's class.")
+    max_turns: int = Field(4, ge=1, description="Assistant turns per sample at most; a sample still calling tools "
+                           "then ends (counted in truncated_frac).")
+    max_tokens: int = Field(64, ge=2, description="Tokens of the whole response at most: the model's turns and "
+                            "what the environment adds (sampling.max_new_tokens caps each turn). The trainer's "
+                            "sequence width.")
+    tool_timeout_s: float = Field(10.0, gt=0, description="An environment call (a tool) still running after this: the "
+                                  "model is told the tool timed out and the sample goes on without it (tool_errors).")
+    max_output_chars: int = Field(1000, ge=16, description="A tool's output is cut to this many characters (saying so) "
+                                  "before it is rendered into the context.")
+    tool_parser: str = Field("hermes", description="vLLM tool-call parser reading the model's calls (vllm serve "
+                             "--tool-call-parser): hermes (<tool_call>{...}</tool_call>: Qwen, Hermes, SmolLM3 and the "
+                             "built-in model's template), llama3_json, mistral, ...")
+    tool_workers: int = Field(8, ge=1, description="Threads per engine running environment calls, so one slow tool "
+                              "call never holds up the other samples' turns.")
+    reward_weight: float = Field(1.0, description="Weight of the environment's reward (summed over the episode) "
+                                 "added to the score; the built-in tools give 0 and leave the score to rewards.")
+    log_trajectories: int = Field(2, ge=0, description="Whole conversations (tool calls and outputs) attached to the "
+                                  "MLflow run every iteration as trajectories/iter_NNNN.json.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_form(cls, v: str) -> str:
+        if v not in ("calculator", "python") and (":" not in v or not all(v.split(":", 1))):
+            raise ValueError(f"must be 'calculator', 'python' or 'module:Class', got {v!r}")
+        return v
 
 
 class PPOConfig(Section):
@@ -201,6 +232,9 @@ class PPOConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="vLLM rollout engines.")
     rewards: RewardMix = Field(default_factory=RewardMix, description="Reward model and rule reward.")
+    environment: EnvironmentConfig | None = Field(None, description="Multi-turn rollouts with tools or an "
+                                                  "environment (empty: one prompt -> one completion). The rule "
+                                                  "reward and the held-out evaluation read the last assistant turn.")
     policy: TrainedRole = Field(default_factory=lambda: TrainedRole(num_ranks=2), description="The policy role.")
     critic: TrainedRole = Field(default_factory=lambda: TrainedRole(lr=1e-4), description="The critic role (PPO).")
     reference: ReferenceRole = Field(default_factory=ReferenceRole, description="The frozen reference role.")
@@ -236,6 +270,14 @@ class PPOConfig(Section):
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide prompts_per_iteration x "
                              f"sampling.n ({self.prompts_per_iteration} x {n} = {rollouts}); e.g. mini_batch_size: "
                              f"{math.gcd(rollouts, self.mini_batch_size)}")
+        if self.rewards.model_weight == 0 and self.rewards.rule_weight == 0 and not (
+                self.environment and self.environment.reward_weight):
+            raise ValueError("rewards.model_weight and rewards.rule_weight are both 0 (and no environment reward): "
+                             "nothing would reward the policy; set one")
+        if self.environment and self.environment.max_tokens < self.sampling.max_new_tokens:
+            raise ValueError(f"environment.max_tokens ({self.environment.max_tokens}) is the whole multi-turn "
+                             f"response and must be >= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
+                             "one turn's cap; raise it")
         roles = [("policy", self.policy)] + ([("critic", self.critic)] if self.algorithm == "ppo" else [])
         for name, role in roles:
             per_step = self.micro_batch_size * role.num_ranks
@@ -243,6 +285,10 @@ class PPOConfig(Section):
                 raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size x "
                                  f"{name}.num_ranks ({self.micro_batch_size} x {role.num_ranks} = {per_step})")
         return self
+
+    def response_tokens(self) -> int:
+        """The longest response the trainer sees: one turn, or a whole multi-turn episode."""
+        return self.environment.max_tokens if self.environment else self.sampling.max_new_tokens
 
     def cpus_needed(self) -> float:
         """Logical CPUs the stage reserves at once (every rank and engine holds one bundle of its CPUs)."""

@@ -105,12 +105,14 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     """Per-token rewards (B, T): -kl_coef * kl on every real token, plus the score on the last.
 
     The reward model (or verifier) judges the whole answer, so its score (B,) arrives at the
-    final token (index mask.sum(1) - 1, which assumes right padding); the KL penalty is paid
-    token by token. A row with no response tokens gets nothing.
+    last token of the mask, the model's last token (a multi-turn response has the environment's
+    tokens masked out between its turns); the KL penalty is paid token by token. A row with no
+    response tokens gets nothing.
     """
     rewards = torch.where(mask.bool(), -kl_coef * kl, torch.zeros_like(kl))
     lengths = mask.long().sum(1)
-    last = (lengths - 1).clamp(min=0).unsqueeze(1)
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    last = ((mask.bool() * positions).argmax(1) if mask.shape[1] else lengths).unsqueeze(1)
     bonus = torch.where(lengths > 0, scores.to(rewards.dtype), torch.zeros_like(scores, dtype=rewards.dtype))
     return rewards.scatter_add(1, last, bonus.unsqueeze(1))
 
@@ -121,9 +123,10 @@ def gae(
     """Generalized advantage estimation (Schulman et al. 2016): (advantages, returns), each (B, T).
 
     delta_t = r_t + gamma * V_{t+1} - V_t and A_t = delta_t + gamma * lam * A_{t+1}, run backwards
-    with V = 0 after the last token. Rewards and values at padded positions count as 0, so the
-    value after a row's last real token is 0 and padding adds nothing. Both outputs are targets,
-    not functions of the model: the inputs are detached.
+    with V = 0 after the last token. Masked positions are skipped: padding after a row's last
+    token adds nothing, and the environment's tokens between a multi-turn response's turns are
+    not steps (the model chose none of them), so t+1 is the model's next token, as in verl's
+    multi-turn GAE. Both outputs are targets, not functions of the model: the inputs are detached.
     """
     keep = mask.bool()
     rewards = torch.where(keep, rewards.detach(), torch.zeros_like(rewards))
@@ -133,9 +136,10 @@ def gae(
     next_advantage = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_advantage = delta + gamma * lam * next_advantage
+        here = keep[:, t]
+        next_advantage = torch.where(here, delta + gamma * lam * next_advantage, next_advantage)
         advantages[:, t] = next_advantage
-        next_value = values[:, t]
+        next_value = torch.where(here, values[:, t], next_value)
     advantages = torch.where(keep, advantages, torch.zeros_like(advantages))
     return advantages, advantages + values
 

@@ -104,20 +104,62 @@ def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule
     return scores, rule_scores, raw, spread
 
 
-def generate(pool, rows: list[dict], sampling: dict) -> list[dict]:
+def generate(pool, rows: list[dict], sampling: dict, episode=None) -> list[dict]:
     """Every sample of every row's prompt from the engines' current weights, prompts spread over the
-    engines; a prompt's `sampling['n']` samples adjacent."""
+    engines; a prompt's `sampling['n']` samples adjacent. With `episode`, multi-turn episodes."""
     import ray
 
     from stages.ppo.groups import shard
 
     parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
-    outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
+    if episode is None:
+        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
+    else:
+        row_parts = shard(rows, len(pool.engines))
+        outs = ray.get([e.episodes.remote(p, r, sampling, episode) for e, p, r in zip(pool.engines, parts, row_parts)
+                        if p])
     return [s for part in outs for group in part for s in group]
 
 
+def answers_of(tok, flat: list[dict]) -> list[str]:
+    """The text each sample answers with: a multi-turn sample's last model turn (tool calls and outputs
+    before it are how it got there), else the whole response."""
+    return tok.batch_decode([x["ids"][slice(*x["final"])] if "final" in x else x["ids"] for x in flat],
+                            skip_special_tokens=True)
+
+
+def rollout_batch(rows: list[dict], flat: list[dict], pad_id: int) -> dict:
+    """`rl.make_batch` of the samples, with a multi-turn sample's environment tokens masked out of
+    `response_mask` (so out of the loss, the advantages, the KL and the log-prob mismatch)."""
+    from stages.ppo import rl
+
+    batch = rl.make_batch([r["prompt_ids"] for r in rows], [x["ids"] for x in flat], pad_id)
+    if flat and "mask" in flat[0]:
+        batch["response_mask"] = batch["response_mask"] * rl.pad_rows([x["mask"] for x in flat],
+                                                                      batch["response_mask"].shape[1])
+    return batch
+
+
+def episode_stats(flat: list[dict]) -> dict[str, float]:
+    """Per-iteration tool metrics of multi-turn samples (empty for single-turn ones)."""
+    if not flat or "turns" not in flat[0]:
+        return {}
+    n = len(flat)
+    return {"turns_per_sample": sum(x["turns"] for x in flat) / n,
+            "tool_calls_per_sample": sum(x["tool_calls"] for x in flat) / n,
+            "tool_errors": float(sum(x["tool_errors"] for x in flat)),
+            "tool_s": sum(x["tool_s"] for x in flat), "env_reward_mean": sum(x["env_reward"] for x in flat) / n}
+
+
+def trajectories(rows: list[dict], flat: list[dict], scores: list[float], k: int, n: int) -> list[dict]:
+    """The first sample of the first `k` prompts as whole conversations, for a person to read in MLflow."""
+    return [{"prompt": rows[i]["prompt"], "answer": rows[i].get("answer"), "messages": flat[i]["messages"],
+             "reward": round(scores[i], 4), "turns": flat[i]["turns"], "tool_errors": flat[i]["tool_errors"],
+             "truncated": not flat[i]["finished"]} for i in range(0, min(k * n, len(flat)), n)]
+
+
 def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
-             moments: RunningMoments | None = None, verify=None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
+             moments: RunningMoments | None = None, verify=None, episode=None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
     """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
     `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
     as given: counted and reported, so a length limit that cuts answers short shows). With a `gold`
@@ -129,22 +171,26 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
     """
 
     def answers(sampling: dict, k: int) -> tuple[dict[str, list[float]], list[list[float]] | None]:
-        flat = generate(pool, rows, sampling)
-        texts = tok.batch_decode([s["ids"] for s in flat], skip_special_tokens=True)
+        flat = generate(pool, rows, sampling, episode)
+        texts = answers_of(tok, flat)
         reps = [r for r in rows for _ in range(k)]
         scores, correct, *_ = score(texts, reps, reward_group, cfg, rule, moments=moments)
+        scores = with_env_reward(scores, flat, cfg)
         if verify is not None:  # accuracy by the task's verifier, whatever the rule reward is
             correct = [float(verify(t, r.get("answer") or "")) for t, r in zip(texts, reps)]
         cut = [float(not s["finished"]) for s in flat]  # stopped by max_new_tokens, not by the model
         per = lambda xs: [xs[i * k:(i + 1) * k] for i in range(len(rows))]  # noqa: E731
         mean = lambda xs: [sum(p) / k for p in per(xs)]  # noqa: E731
         out = {"reward": mean(scores), "accuracy": mean(correct), "truncated": mean(cut)}
+        if episode is not None:
+            out["tool_calls"] = mean([float(s["tool_calls"]) for s in flat])
         if gold is None:
             return out, None
         golds = [float(gold(r["prompt"], t)) for t, r in zip(texts, reps)]
         return out | {"gold": mean(golds)}, per(golds)
 
     greedy = {"temperature": 0.0, "max_tokens": cfg.sampling.max_new_tokens}
+    # with an environment the samples are episodes (`episode`) and `tool_calls` counts their calls
     out, each = answers(greedy, 1)
     if cfg.eval_samples:
         sampling = {"n": cfg.eval_samples, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
@@ -152,6 +198,13 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
         sampled, each = answers(sampling, cfg.eval_samples)
         out |= {f"sampled_{k}": v for k, v in sampled.items()}
     return out, each
+
+
+def with_env_reward(scores: list[float], flat: list[dict], cfg: PPOConfig) -> list[float]:
+    """The scores plus `environment.reward_weight` x each episode's environment reward."""
+    if cfg.environment is None or not cfg.environment.reward_weight:
+        return scores
+    return [s + cfg.environment.reward_weight * x["env_reward"] for s, x in zip(scores, flat)]
 
 
 def win_rate(before: list[float], after: list[float]) -> float:

@@ -108,11 +108,13 @@ class PPOWorker(Workhorse):
     # --------------------------------------------------------------- rollouts
 
     @ray.method(concurrency_group="rollout")
-    def generate(self, prompt_ids: list[list[int]], engines: list, sampling: dict) -> list[list[dict]]:
+    def generate(self, prompt_ids: list[list[int]], engines: list, sampling: dict, rows: list[dict] | None = None,
+                 episode=None) -> list[list[dict]]:
         """This rank's prompts, spread over its engines: rank r uses engines r, r+W, r+2W, ... (or r mod N).
 
         Any rank can call any engine: with fewer engines than ranks several ranks share one;
-        with more, each rank drives several concurrently.
+        with more, each rank drives several concurrently. With `episode` (an EpisodeSpec) each sample is a
+        multi-turn episode against its environment, which receives the prompt's row.
         """
         import ray
 
@@ -121,7 +123,11 @@ class PPOWorker(Workhorse):
         mine = [e for i, e in enumerate(engines) if i % self.world == self.rank % len(engines)] \
             if len(engines) >= self.world else [engines[self.rank % len(engines)]]
         parts = shard(prompt_ids, len(mine))
-        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(mine, parts) if p])
+        if episode is None:
+            outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(mine, parts) if p])
+        else:
+            row_parts = shard(rows, len(mine))
+            outs = ray.get([e.episodes.remote(p, r, sampling, episode) for e, p, r in zip(mine, parts, row_parts) if p])
         return [s for part in outs for s in part]
 
     # --------------------------------------------------------------- forward passes

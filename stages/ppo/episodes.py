@@ -1,0 +1,207 @@
+"""Multi-turn rollouts on a vLLM engine: each sample talks with its own environment until it is done.
+
+`AgentEngine` is the rollout engine (`stages/common/engines.py`) with one more method, `episodes`,
+which the ppo stage calls instead of `generate` when `stages.ppo.environment` is set. Inside it:
+
+    every sample's first turn is queued on the engine
+    loop: step the engine (all queued turns decode together, continuous batching)
+          a finished turn: parse its tool calls; hand (conversation, turn) to the environment on a
+              thread, and go on stepping the other samples meanwhile
+          an environment's answer: render its messages as tokens (mask 0), queue the sample's next turn
+          a call past tool_timeout_s: the model is told the tool timed out; its next turn is its last
+    until every sample is done: the environment said so, max_turns, or the token budget (max_tokens)
+
+A turn cut by `sampling.max_new_tokens` (one turn's cap) still goes to the environment, as a chat API
+returns a reply cut at its max_tokens: the end-of-turn token the template writes after it is then the
+environment's (mask 0). Only a turn cut by the episode's budget ends the episode (truncated).
+
+So turns of different samples interleave on the engine and no sample waits for another's tool call
+(the request is in the engine's queue the moment its tool answers), as in verl's agent loop and
+OpenRLHF's async agent rollouts. We drive vLLM's `LLMEngine` (`add_request` / `step`) rather than
+its AsyncLLM server: the engine already lives in this actor (weight sync, fact 4), and one thread
+stepping it needs no event loop in a Ray actor.
+
+What a sample returns (besides `generate`'s ids / logprobs / finished / version): `mask` (1 on the
+model's tokens, 0 on the environment's: `environments.assemble`), `final` (the last model turn, which
+the rule reward reads), `turns`, `tool_calls`, `tool_errors`, `tool_s`, `env_reward` and the
+conversation as `messages` (a few are logged as trajectories).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.common.engines import RolloutEngine
+from stages.ppo.environments import (Renderer, as_step, assemble, cap_output, environment_factory, parse_turn,
+                                     tool_error)
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """How an engine runs episodes (plain data, sent with each request; from `stages.ppo.environment`)."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    max_turns: int = 4
+    max_tokens: int = 64  # the whole response: the model's turns and what the environment adds
+    tool_timeout_s: float = 10.0
+    max_output_chars: int = 1000
+    tool_parser: str = "hermes"
+    tool_workers: int = 8
+    path: str | None = None  # the sys.path entry a 'module:Class' environment is found under on the driver
+
+
+@dataclass
+class _Episode:
+    key: int  # sample index in the request (prompt i's samples are i*n ... i*n+n-1)
+    env: Any
+    prompt: list[int]
+    messages: list[dict]
+    segments: list = field(default_factory=list)  # ('model' | 'env', ids, logprobs)
+    length: int = 0  # response tokens so far
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    reward: float = 0.0
+    truncated: bool = False
+    open: bool = False  # the last model turn was cut by sampling.max_new_tokens: the template's end-of-turn follows
+    broken: bool = False  # its environment did not answer in time: never called again, the next turn is the last
+
+    def context(self) -> list[int]:
+        return self.prompt + [t for _, ids, _ in self.segments for t in ids]
+
+
+class AgentEngine(RolloutEngine):
+    """A rollout engine that also runs multi-turn episodes against environments (`episodes`)."""
+
+    def episodes(self, prompt_ids: list[list[int]], rows: list[dict], sampling: dict, spec: EpisodeSpec
+                 ) -> list[list[dict]]:
+        """For each prompt (and its row), `sampling['n']` episodes; per prompt a list of samples."""
+        from vllm import SamplingParams
+        from vllm.tool_parsers import ToolParserManager
+
+        import logging
+
+        # The parser logs a traceback for every unreadable call; such turns are reported to the model and
+        # counted (tool_errors) instead, so its log would only flood the stage's log file.
+        logging.getLogger(f"vllm.tool_parsers.{spec.tool_parser}_tool_parser").setLevel(logging.CRITICAL)
+        tok = self.llm.get_tokenizer()
+        if spec.path and spec.path not in sys.path:  # the user's environment module, as the driver found it
+            sys.path.insert(0, spec.path)
+        make_env = environment_factory(spec.name, spec.options)
+        renderer = Renderer(tok, getattr(make_env(), "tool_schemas", None))
+        parser = ToolParserManager.get_tool_parser(spec.tool_parser)(tok)
+        n, engine, tag = sampling.get("n", 1), self.llm.llm_engine, uuid.uuid4().hex[:8]
+        per_turn = {k: v for k, v in sampling.items() if k not in ("n", "seed", "max_tokens")}
+        episodes, active, waiting = [], {}, {}  # active: request id -> episode; waiting: future -> (episode, t0)
+        for i, (prompt, row) in enumerate(zip(prompt_ids, rows)):
+            for j in range(n):
+                env = make_env()
+                start = env.reset(row)
+                ids = list(prompt) if start is None else tok(
+                    renderer.conversation(start), add_special_tokens=False)["input_ids"]
+                episodes.append(_Episode(i * n + j, env, ids, list(start or [{"role": "user", "content": row.get("prompt", "")}])))
+        pool = ThreadPoolExecutor(spec.tool_workers, thread_name_prefix="environment")
+
+        def queue_turn(ep: _Episode) -> None:
+            budget = spec.max_tokens - ep.length
+            if budget <= 0 or ep.turns >= spec.max_turns:
+                ep.truncated = True
+                return
+            seed = sampling.get("seed")
+            params = SamplingParams(n=1, max_tokens=min(budget, sampling.get("max_tokens", budget)), **per_turn,
+                                    **({"seed": (seed + 7919 * ep.key + 104729 * ep.turns) % 2**31}
+                                       if seed is not None else {}))
+            rid = f"{tag}-{ep.key}-{ep.turns}"
+            engine.add_request(rid, {"prompt_token_ids": ep.context()}, params)
+            active[rid] = ep
+
+        def add_env_messages(ep: _Episode, messages: list[dict]) -> None:
+            # a tool printing more than max_output_chars is cut (saying so) and counted as a tool error
+            ep.tool_errors += sum(len(str(m.get("content") or "")) > spec.max_output_chars for m in messages)
+            messages = [{**m, "content": cap_output(m.get("content") or "", spec.max_output_chars)} for m in messages]
+            ids = renderer.tokens(messages, close=ep.open)
+            if ep.length + len(ids) >= spec.max_tokens:  # no room for the environment's answer and a reply
+                ep.truncated = True
+                return
+            ep.segments.append(("env", ids, None))
+            ep.length += len(ids)
+            ep.messages += messages
+            queue_turn(ep)
+
+        def end_of_turn(ep: _Episode, completion) -> None:
+            ids = list(completion.token_ids)
+            lps = [step[t].logprob for step, t in zip(completion.logprobs, ids)] if completion.logprobs else None
+            ep.segments.append(("model", ids, lps))
+            ep.length += len(ids)
+            ep.turns += 1
+            text = tok.decode(ids, skip_special_tokens=False).removesuffix(tok.eos_token or "")
+            ep.open = completion.finish_reason != "stop"  # cut by max_new_tokens: no end-of-turn token of its own
+            if ep.open and ep.length >= spec.max_tokens:  # the episode's budget is spent
+                ep.messages.append({"role": "assistant", "content": text})
+                ep.truncated = True
+                return
+            turn, problem = parse_turn(text, parser)
+            ep.messages.append(turn)
+            ep.tool_calls += len(turn.get("tool_calls") or [])
+            if ep.broken:  # its environment hung on an earlier call: the model has answered the error, done
+                return
+            if problem:
+                ep.tool_errors += 1
+                add_env_messages(ep, [tool_error(problem)])
+                return
+            waiting[pool.submit(ep.env.step, list(ep.messages), turn)] = (ep, time.time())
+
+        def env_answered(ep: _Episode, future: Future, t0: float) -> None:
+            ep.tool_s += time.time() - t0
+            try:
+                step = as_step(future.result())
+            except Exception as exc:  # a tool that raised: the model reads the error and may try again
+                ep.tool_errors += 1
+                add_env_messages(ep, [tool_error(f"{type(exc).__name__}: {exc}")])
+                return
+            ep.reward += step.reward
+            if step.done:
+                return
+            add_env_messages(ep, step.messages) if step.messages else queue_turn(ep)
+
+        try:
+            for ep in episodes:
+                queue_turn(ep)
+            while active or waiting:
+                if active:
+                    for out in engine.step():
+                        if out.finished:
+                            end_of_turn(active.pop(out.request_id), out.outputs[0])
+                elif waiting:  # nothing to decode: wait for the first environment to answer (or time out)
+                    oldest = min(t0 for _, t0 in waiting.values())
+                    wait(list(waiting), timeout=max(0.0, oldest + spec.tool_timeout_s - time.time()),
+                         return_when=FIRST_COMPLETED)
+                now = time.time()
+                for future, (ep, t0) in list(waiting.items()):
+                    if future.done():
+                        del waiting[future]
+                        env_answered(ep, future, t0)
+                    elif now - t0 > spec.tool_timeout_s:  # a hung tool: its thread is abandoned, the sample goes on
+                        del waiting[future]
+                        ep.tool_s += now - t0
+                        ep.tool_errors += 1
+                        ep.broken = True
+                        add_env_messages(ep, [tool_error(f"the tool did not answer within {spec.tool_timeout_s:g} s")])
+        finally:
+            if active:
+                engine.abort_request(list(active))
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [[self._result(ep, tok) for ep in episodes[i * n:(i + 1) * n]] for i in range(len(prompt_ids))]
+
+    def _result(self, ep: _Episode, tok) -> dict:
+        out = assemble(ep.segments)
+        return {**out, "finished": not ep.truncated, "version": self.version, "turns": ep.turns,
+                "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "tool_s": ep.tool_s,
+                "env_reward": ep.reward, "messages": ep.messages}
