@@ -124,8 +124,9 @@ def test_an_unpaired_row_is_one_conversation_with_its_absent_side_masked_out(tok
 
 
 def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
-    """A conversation with `tool_calls` is kept only where the model's chat template renders them: the built-in
-    ChatML template does not, so such a row is refused with its reason, never trained with the call dropped."""
+    """A conversation with `tool_calls` is kept only where the model's chat template renders them: plain ChatML
+    does not, so such a row is refused with its reason, never trained with the call dropped; the built-in
+    template renders them (Hermes form) and trains the call as the assistant's."""
     import pytest
 
     from stages.data import Tokenize
@@ -133,6 +134,9 @@ def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
 
     tokenizer.save_pretrained(tmp_path)
     tok = Tokenize(str(tmp_path), 256, None)
+    builtin = tok.tok.chat_template
+    tok.tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # plain ChatML
     call = [{"role": "user", "content": "2 + 2?"},
             {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
                 "name": "calc", "arguments": {"expr": "2 + 2"}}}]},
@@ -147,3 +151,7 @@ def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
     ids, mask = tok._conversation(call)
     trained = tok.tok.decode([t for t, m in zip(ids, mask) if m])
     assert "<call>calc</call>" in trained and "2 + 2?" not in trained
+    tok.tok.chat_template = builtin
+    ids, mask = tok._conversation(call)
+    trained = tok.tok.decode([t for t, m in zip(ids, mask) if m])
+    assert '<tool_call>{"name": "calc", "arguments": {"expr": "2 + 2"}}</tool_call>' in trained and "2 + 2?" not in trained

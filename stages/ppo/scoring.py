@@ -131,12 +131,12 @@ def answers_of(tok, flat: list[dict]) -> list[str]:
 def rollout_batch(rows: list[dict], flat: list[dict], pad_id: int) -> dict:
     """`rl.make_batch` of the samples, with a multi-turn sample's environment tokens masked out of
     `response_mask` (so out of the loss, the advantages, the KL and the log-prob mismatch)."""
-    from stages.ppo import rl
+    from stages.ppo.rl import make_batch, pad_rows
 
-    batch = rl.make_batch([r["prompt_ids"] for r in rows], [x["ids"] for x in flat], pad_id)
+    batch = make_batch([r["prompt_ids"] for r in rows], [x["ids"] for x in flat], pad_id)
     if flat and "mask" in flat[0]:
-        batch["response_mask"] = batch["response_mask"] * rl.pad_rows([x["mask"] for x in flat],
-                                                                      batch["response_mask"].shape[1])
+        batch["response_mask"] = batch["response_mask"] * pad_rows([x["mask"] for x in flat],
+                                                                   batch["response_mask"].shape[1])
     return batch
 
 
