@@ -448,27 +448,25 @@ def _command(args, console, state: dict) -> int:
         return _serve(cfg, args, console)
     if args.command == "batch-infer":
         return _batch_infer(cfg, args, console)
-    from pipeline.runner import build_plan, run_pipeline
+    from pipeline.plan import build_plan
+    from pipeline.plan import selection as validate_selection
+    from pipeline.runner import run_pipeline
 
     selection = {"only": args.only, "from_": args.from_, "to": args.to, "force": args.force}
+    validate_selection(cfg, **selection)  # a bad stage name fails here: nothing written, nothing submitted
     if args.command == "submit":
-        from pipeline.runner import selection as validate_selection
-
-        validate_selection(cfg, **selection)  # bad stage names fail here, not on the cluster
         if args.deadline is not None and (not args.wait or args.deadline <= 0):
             raise UserError("--deadline SECONDS needs --wait and a positive number of seconds")
         job_id = jobs.submit(cfg, args.config, args.address, selection, console)
         print(job_id)
         return jobs.wait(args.address, job_id, console, args.deadline) if args.wait else 0
-    plan = build_plan(cfg, **selection)  # reads only: user errors surface before anything is written
-    state["summary"]["plan"] = plan
     if args.command == "plan":
-        _print_plan(plan, console)
+        _print_plan(build_plan(cfg, **selection), console)  # reads only: writes and starts nothing
         return 0
     from pipeline.tracking import check_reachable
 
     check_reachable(cfg.tracking_uri)
-    summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])
+    summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])  # plans once, locked
     ran = sum(p.status == "miss" for p in summary["plan"])
     cached = sum(p.status == "hit" for p in summary["plan"])
     print_outcomes(cfg, args.config, summary, console)

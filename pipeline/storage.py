@@ -448,12 +448,13 @@ class ArtifactStore:
         write_json_atomic(self.local_dir(stage, key) / MANIFEST, published)
         return sent
 
-    def ensure_local(self, stage: str, key: str, log=lambda message: None) -> dict:
+    def ensure_local(self, stage: str, key: str, log=lambda message: None, verified: dict | None = None) -> dict:
         """Make a finished artifact present here (pulled if only the bucket has it) and in the bucket
         (pushed if it lacks a good copy); its manifest. `ContentMismatch` if the bucket's copy
-        turns out damaged while it downloads; `ArtifactMissing` if it is nowhere."""
+        turns out damaged while it downloads; `ArtifactMissing` if it is nowhere. `verified`: the
+        manifest of the copy here whose files the caller has just checked (`lookup`), not hashed again."""
         t0 = time.time()
-        manifest, _ = self.local(stage, key)
+        manifest = verified if verified is not None else self.local(stage, key)[0]
         if manifest is not None:
             if self.bucket is not None and self.remote(stage, key)[0] is None:
                 sent = self.push(stage, key)

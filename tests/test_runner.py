@@ -95,6 +95,35 @@ def test_rerun_with_nothing_changed_recomputes_nothing(toy):
     assert {p.status for p in t.plan().values()} == {"hit"}
 
 
+def test_a_run_keys_each_stage_once_and_checks_a_hits_files_once(toy, monkeypatch):
+    """One plan per run: every stage is keyed once (its components computed once) and a cached
+    artifact's files are checked against its manifest once, whether it is a hit or another stage's input."""
+    from collections import Counter
+
+    from pipeline import plan as plan_mod
+
+    t, *_ = toy
+    t.run()
+    keyed, checked = Counter(), Counter()
+    components, damage = plan_mod.components, storage.damage
+
+    def counted_components(cfg, spec, *args, **kwargs):
+        keyed[spec.name] += 1
+        return components(cfg, spec, *args, **kwargs)
+
+    def counted_damage(manifest, out_dir, *args, **kwargs):
+        checked[out_dir.parent.name] += 1
+        return damage(manifest, out_dir, *args, **kwargs)
+
+    monkeypatch.setattr(plan_mod, "components", counted_components)
+    monkeypatch.setattr(storage, "damage", counted_damage)
+    assert t.run() == []  # all hits; toy_b's input is toy_a's artifact
+    assert keyed == checked == {"toy_a": 1, "toy_b": 1, "toy_c": 1}
+    keyed.clear(), checked.clear()
+    assert t.run("stages.data.max_len=77") == ["a", "b"]  # toy_b reads toy_a's fresh output as it is
+    assert keyed == {"toy_a": 1, "toy_b": 1, "toy_c": 1} and checked == {"toy_c": 1}
+
+
 def test_config_change_reruns_the_stage_and_downstream_only(toy):
     t, *_ = toy
     t.run()

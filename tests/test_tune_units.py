@@ -163,9 +163,24 @@ def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, trac
     registry = (StageSpec("tune", "toy_tune", "stages.data", (), (), ("best_config",), "sweep"),
                 StageSpec("toy_target", "toy_target", "stages.sft", (), ("best_config",), ("target_out",), "target"))
     cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}")
+    from collections import Counter
+
+    from pipeline import plan as plan_mod
+
+    keyed, components = Counter(), plan_mod.components
+
+    def counted_components(cfg, spec, *args, **kwargs):
+        keyed[spec.name] += 1
+        return components(cfg, spec, *args, **kwargs)
+
+    monkeypatch.setattr(plan_mod, "components", counted_components)
     try:
         first = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+        # Keyed when planned; the target once more when reached, its input (the sweep's values) known then.
+        assert keyed == {"tune": 1, "toy_target": 1}, keyed  # (planned pending: no components until reached)
+        keyed.clear()
         second = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+        assert keyed == {"tune": 1, "toy_target": 1}, keyed
     finally:
         sys.modules.pop("toy_tune", None)
         sys.modules.pop("toy_target", None)

@@ -150,7 +150,7 @@ COLUMNS = {
                    "rejected_input_ids", "rejected_loss_mask"),
     "prompts": ("prompt", "answer", "prompt_ids", "extra"),  # extra: the row's other columns, JSON (reward functions)
 }
-TEXT_COLUMNS = ("kind", "split", "prompt", "chosen", "rejected", "answer", "extra")
+TEXT_COLUMNS = ("kind", "split", "order", "prompt", "chosen", "rejected", "answer", "extra")
 ID_COLUMNS = ("input_ids", "loss_mask", "chosen_input_ids", "chosen_loss_mask", "rejected_input_ids",
               "rejected_loss_mask", "prompt_ids", "position_ids")
 TOKEN_COLUMN = {"sft": "input_ids", "preference": "chosen_input_ids", "prompts": "prompt_ids"}
@@ -319,15 +319,15 @@ class Tokenize:
 
     def __call__(self, batch):
         rows = []
-        for kind, split, payload in zip(batch["kind"].to_pylist(), batch["split"].to_pylist(),
-                                        batch["payload"].to_pylist()):
+        for kind, split, order, payload in zip(batch["kind"].to_pylist(), batch["split"].to_pylist(),
+                                               batch["order"].to_pylist(), batch["payload"].to_pylist()):
             try:
                 if kind == "eval":  # the user's eval set: prompt rows, in the prompts' eval split
                     kind = "prompts"
                 out, fits = self._row(kind, json.loads(payload))
-                rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}"})
+                rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}", "order": order})
             except RowError as exc:
-                rows.append({"kind": kind, "split": f"invalid:{exc.code}", "prompt": str(exc)})
+                rows.append({"kind": kind, "split": f"invalid:{exc.code}", "prompt": str(exc), "order": order})
         if self.total_rows:
             console.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
         return _table(rows)
@@ -473,7 +473,9 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_stora
     from ray.data.expressions import col
 
     part = tokens.filter(expr=(col("kind") == kind) & (col("split") == split))
-    part = part.select_columns([*COLUMNS[kind], "num_tokens"])
+    # Written in the seeded `order`, whatever order the blocks came back in: with preserve_order on,
+    # a ShareGPT run still wrote its two tokenizer batches swapped now and then (fact 13).
+    part = part.sort("order").select_columns([*COLUMNS[kind], "num_tokens"])
     if kind == "sft" and cfg.pack:
         part = part.map_batches(_pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                                 fn_kwargs={"max_len": cfg.max_len})
