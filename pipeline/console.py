@@ -1,15 +1,9 @@
 """What the person running the pipeline sees, and where everything else goes.
 
-Our code speaks through two calls that work in any process of a run (the driver, a Ray Train
-worker, a Ray Data actor, a Tune trial):
-
-    say("sft: DeepSpeed engine ready in 3.1s")                      # one line for the person
-    advance("sft", done=6, total=12, unit="step", note="loss 2.31")  # progress of a long phase
-    advance("data: tokenize", by=64, total=360, unit="row")         # ... counted in increments
-
-In a Ray worker they write one marked line to stdout, which Ray forwards to the driver. The driver
-of `python -m pipeline run` installs a `Router` that takes over everything else the process and
-its workers print (Ray, vLLM, DeepSpeed, MLflow, httpx, C++ log lines):
+Our code reports through `pipeline.events` (`say`, `advance`) in any process of a run (the driver,
+a Ray Train worker, a Ray Data actor, a Tune trial); in a Ray worker an event is one marked line on
+stdout, which Ray forwards to the driver. The driver of `python -m pipeline run` installs a `Router`
+that shows those and takes over everything else the process and its workers print (Ray, vLLM, DeepSpeed, MLflow, httpx, C++ log lines):
 
 - our lines go to the console; progress is a live bar with rate and ETA on a terminal, and plain
   periodic lines otherwise (cron, CI, `--json`: at most one per `PLAIN_INTERVAL_S` per phase, plus
@@ -54,7 +48,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-MARK = "::pipeline:: "  # prefix of an event line written by a worker (JSON after it)
+from pipeline import events
+from pipeline.events import MARK, parse
+
 PLAIN_INTERVAL_S = 30.0  # off a terminal, at most one progress line per phase this often
 MAX_NOTICES = 5  # library lines that matter, shown per stage before "more in the log"
 LOG_RETRY_S = 60.0  # a log that could not be written is tried again this often (and at each stage)
@@ -66,49 +62,6 @@ NOTICE = re.compile(r"\bERROR\b|\bCRITICAL\b|Traceback \(most recent call last\)
 _SYNC = "\x00pipeline-sync "
 
 _router: Router | None = None
-
-
-# --------------------------------------------------------------------------- any process
-
-
-def say(text: str) -> None:
-    """One line of ours for the person watching (a Train worker's: rank 0 only, the caller decides)."""
-    _send({"line": text})
-
-
-def advance(task: str, done: int | None = None, total: int | None = None, unit: str = "step", note: str = "",
-            by: int | None = None) -> None:
-    """Report progress of a long phase: `done` so far (or `by` more), out of `total` if known."""
-    event: dict[str, Any] = {"task": task, "total": total, "unit": unit, "note": note}
-    event.update({"by": by} if by is not None else {"done": done})
-    _send(event)
-
-
-def _send(event: dict) -> None:
-    """Never raises: a progress report is not worth a training step (a value JSON cannot hold is sent
-    as its text, and a stdout that cannot be written drops the line)."""
-    try:
-        if _router is not None:
-            _router.event(event)
-            return
-        # Not `print`: Ray Train patches it in its workers to log through the root logger as well, and
-        # every line reached the console twice.
-        sys.stdout.write(MARK + json.dumps(event, default=str) + "\n")
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001, S110 - see the docstring
-        pass
-
-
-def parse(line: str) -> dict | None:
-    """The event in a forwarded line, or None for a library's line."""
-    i = line.find(MARK)
-    if i < 0:
-        return None
-    try:
-        event = json.loads(line[i + len(MARK):])
-    except ValueError:
-        return None
-    return event if isinstance(event, dict) else None
 
 
 # --------------------------------------------------------------------------- progress, pure
@@ -649,9 +602,11 @@ def _repr(event: Any) -> str:
 
 
 def install(router: Router | None) -> None:
-    """Make `router` this process's (the command line does, for `run`); None removes it."""
+    """Make `router` this process's (the command line does, for `run`), and the receiver of its
+    `pipeline.events`; None removes it."""
     global _router
     _router = router
+    events.set_sink(router.event if router is not None else None)
 
 
 def current() -> Router | None:

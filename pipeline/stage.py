@@ -75,7 +75,7 @@ class StageContext(Protocol):
 
     def advance(self, done: int, total: int | None, unit: str = "step", note: str = "") -> None:
         """Progress of the stage's long phase: `done` of `total` units (a live bar with rate and ETA on a
-        terminal, periodic lines in logs). Workers report theirs with `pipeline.console.advance`."""
+        terminal, periodic lines in logs). Workers report theirs with `pipeline.events.advance`."""
 
     def ray(self) -> None:
         """Connect to Ray (started on first use; a fully cached rerun never starts it)."""

@@ -21,14 +21,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
-from pipeline.stage import StageContext
 from stages.common.serving import EngineConfig
+
+if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
+    from pipeline.stage import StageContext
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 SOURCE_COLUMN = "__source__"  # the input row, carried through the processor as JSON

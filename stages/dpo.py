@@ -35,13 +35,16 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
+from pipeline import events
 from pipeline.errors import UserError
-from pipeline.stage import StageContext
 from stages.common.deepspeed import TrainingConfig
+
+if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
+    from pipeline.stage import StageContext
 
 LOSSES = ("dpo", "ipo", "simpo", "kto")
 
@@ -387,7 +390,7 @@ def train_loop(c: dict) -> None:
         model.gradient_checkpointing_enable()
     if cfg.lora:
         model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
-    log = training.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
     engine = training.init_engine(model, c["ds_config"])
     state = training.restore(engine)
     total, pad_id = c["total_steps"], c["pad_id"]

@@ -14,9 +14,12 @@ Run alone: `python -m pipeline run configs/full.yaml --only model`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.stage import StageContext
 from stages.common.models import ModelConfig
+
+if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
+    from pipeline.stage import StageContext
 
 
 def raw_inputs(pcfg) -> list[Path]:

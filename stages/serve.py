@@ -26,14 +26,16 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
-from pipeline.stage import StageContext
 from stages.common.serving import EngineConfig
+
+if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
+    from pipeline.stage import StageContext
 
 APP = "posttrain"  # the Serve application's name
 HEALTH = "/-/healthz"  # answered by Serve's proxy; never needs the key

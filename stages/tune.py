@@ -44,13 +44,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from pipeline import console
+from pipeline import events
 from pipeline.schema import Section
-from pipeline.stage import StageContext
+
+if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
+    from pipeline.stage import StageContext
 
 TARGETS = ("sft", "reward", "dpo", "ppo")
 # What each target reports (to Tune and MLflow); a sweep's metric must be one of these.
@@ -244,10 +246,10 @@ class TrialContext:
             client.set_tag(run_id or self.run_id, k, v)
 
     def progress(self, message: str) -> None:
-        console.say(f"{self.name}: {message}")
+        events.say(f"{self.name}: {message}")
 
     def advance(self, done: int, total: int | None, unit: str = "step", note: str = "") -> None:
-        console.advance(self.name, done, total, unit, note)
+        events.advance(self.name, done, total, unit, note)
 
     def ray(self) -> None:
         """A trial already runs inside Ray."""
@@ -317,7 +319,7 @@ def _progress_callback(metric: str, mode: str, num_samples: int):
         def _advance(self, trial, what: str) -> None:
             self.ended += 1
             best = "" if self.best is None else f", best {metric} {self.best:.4g}"
-            console.advance("tune", self.ended, num_samples, "trial", f"{trial.trial_id} {what}{best}")
+            events.advance("tune", self.ended, num_samples, "trial", f"{trial.trial_id} {what}{best}")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if isinstance(result.get(metric), (int, float)):
@@ -327,7 +329,7 @@ def _progress_callback(metric: str, mode: str, num_samples: int):
             self._advance(trial, "ended")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            console.say(f"tune: trial {trial.trial_id} failed")
+            events.say(f"tune: trial {trial.trial_id} failed")
             self._advance(trial, "failed")
 
     return Progress()

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 
 from conftest import ROOT
-from pipeline.console import MARK, Board, parse, progress_line, rate_eta
+from pipeline.console import Board, progress_line, rate_eta
+from pipeline.events import MARK, parse
 
 
 def test_rate_and_eta_count_from_the_first_report():
@@ -55,7 +56,8 @@ ROUTED = textwrap.dedent(r'''
     import logging, os, subprocess, sys
     from pathlib import Path
     from rich.console import Console
-    from pipeline.console import MARK, Router, advance, install, say
+    from pipeline.console import Router, install
+    from pipeline.events import MARK, advance, say
 
     router = Router(verbose=len(sys.argv) > 2)
     router.console = Console(file=router.out, highlight=False, soft_wrap=True)
@@ -146,7 +148,8 @@ SCRIPT = textwrap.dedent(r'''
         os.close(w)
 
     from rich.console import Console
-    from pipeline.console import MARK, Router, advance, install, say
+    from pipeline.console import Router, install
+    from pipeline.events import MARK, advance, say
 
     run_dir = Path(sys.argv[1])
     router = Router()
@@ -295,9 +298,9 @@ def test_a_malformed_progress_event_is_refused_before_it_reaches_a_bar():
 
 
 def test_a_worker_progress_report_never_raises(capsys):
-    from pipeline import console
+    from pipeline import events
 
-    console.advance("sft", 1, 2, note=object())  # not JSON: sent as its text
+    events.advance("sft", 1, 2, note=object())  # not JSON: sent as its text
     assert capsys.readouterr().out.startswith(MARK)
 
 

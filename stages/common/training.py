@@ -16,11 +16,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline import console
 from stages.common.deepspeed import TrainingConfig, backend, device_env
 
 if TYPE_CHECKING:
@@ -114,39 +112,6 @@ def export(result, out: Path, tokenizer, base: Path | None = None, kind: str = "
 
 
 # --------------------------------------------------------------------------- worker side
-
-
-class RankZeroLogger:
-    """Metrics from rank 0 straight into the stage's MLflow run (workers have no driver objects)."""
-
-    def __init__(self, tracking_uri: str, run_id: str, rank: int, prefix: str):
-        self.rank, self.prefix, self.client, self.run_id = rank, prefix, None, run_id
-        if rank == 0:
-            from mlflow.tracking import MlflowClient
-
-            self.client = MlflowClient(tracking_uri)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
-
-    def print(self, message: str) -> None:
-        if self.rank == 0:
-            console.say(f"{self.prefix}: {message}")
-
-    def step(self, step: int, total: int, metrics: dict[str, float]) -> None:
-        """Progress of training on the driver's console (a live bar, or periodic lines in logs)."""
-        if self.rank == 0:
-            shown = {k: v for k, v in metrics.items() if k in PROGRESS_METRICS}
-            console.advance(self.prefix, step, total, "step", " ".join(f"{k} {v:.4g}" for k, v in shown.items()))
-
-
-# What a progress report shows of a step's metrics (all of them go to MLflow).
-PROGRESS_METRICS = ("train_loss", "eval_loss", "eval_accuracy")
 
 
 def pad(seqs: list, value: int, dtype=None):

@@ -23,16 +23,19 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline import console, storage
+from pipeline import events
 from pipeline.errors import DataError
 from pipeline.schema import Section
-from pipeline.stage import StageContext
 from stages.data.formats import KINDS, RowError, check_row, classify_row, locate_problem
 from stages.data.sources import SourceConfig, SourcesConfig, read_source, resolve_format
+
+if TYPE_CHECKING:  # annotations only: the data stage's key does not cover the storage code
+    from pipeline.stage import StageContext
+    from pipeline.storage import RunStorage
 
 
 # The generated task's default row counts per kind, used when the config gives no sources at all.
@@ -329,7 +332,7 @@ class Tokenize:
             except RowError as exc:
                 rows.append({"kind": kind, "split": f"invalid:{exc.code}", "prompt": str(exc), "order": order})
         if self.total_rows:
-            console.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
+            events.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
         return _table(rows)
 
 
@@ -466,7 +469,7 @@ def _reasons(counts: dict[str, int]) -> str:
     return (": " + ", ".join(f"{n} {code}" for code, n in counts.items())) if counts else ""
 
 
-def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_storage: storage.RunStorage) -> tuple[int, int, int]:
+def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_storage: RunStorage) -> tuple[int, int, int]:
     """Write one (kind, split) to Parquet; return (rows, tokens, unpaired preference rows) read back from the files."""
     import pyarrow.parquet as pq
 

@@ -59,11 +59,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.errors import UserError
-from pipeline.stage import StageContext
 from stages.ppo.config import PPOConfig  # noqa: F401  (the stage's config, imported by pipeline.config)
+
+if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
+    from pipeline.stage import StageContext
 
 ROLES = ("policy", "critic", "reference", "reward")
 

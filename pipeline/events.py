@@ -1,0 +1,104 @@
+"""What our code reports while it works, from any process of a run: lines, progress and metrics.
+
+    say("sft: DeepSpeed engine ready in 3.1s")                      # one line for the person
+    advance("sft", done=6, total=12, unit="step", note="loss 2.31")  # progress of a long phase
+    advance("data: tokenize", by=64, total=360, unit="row")         # ... counted in increments
+    RankZeroLogger(...).log(metrics, step)                           # a Train worker's metrics to MLflow
+
+In a Ray worker an event is one marked line on stdout, which Ray forwards to the driver; in the
+driver of `python -m pipeline run` it goes straight to the router `pipeline.console` installs, which
+shows it. Stages import this module, never the console's router.
+
+Nothing here can change what a stage produces, so this module is in no cache key
+(`pipeline.artifacts.REPORTING`): editing a progress line reruns nothing. Keep it that way: it
+reports, it never computes a stage's result.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Callable
+
+MARK = "::pipeline:: "  # prefix of an event line written by a worker (JSON after it)
+# What a progress report shows of a training step's metrics (all of them go to MLflow).
+PROGRESS_METRICS = ("train_loss", "eval_loss", "eval_accuracy")
+
+_sink: Callable[[dict], None] | None = None  # the driver's router (`pipeline.console.install`), if any
+
+
+def say(text: str) -> None:
+    """One line of ours for the person watching (a Train worker's: rank 0 only, the caller decides)."""
+    _send({"line": text})
+
+
+def advance(task: str, done: int | None = None, total: int | None = None, unit: str = "step", note: str = "",
+            by: int | None = None) -> None:
+    """Report progress of a long phase: `done` so far (or `by` more), out of `total` if known."""
+    event: dict[str, Any] = {"task": task, "total": total, "unit": unit, "note": note}
+    event.update({"by": by} if by is not None else {"done": done})
+    _send(event)
+
+
+def set_sink(sink: Callable[[dict], None] | None) -> None:
+    """Deliver this process's events to `sink` (the driver's router) instead of stdout; None: stdout."""
+    global _sink
+    _sink = sink
+
+
+def _send(event: dict) -> None:
+    """Never raises: a progress report is not worth a training step (a value JSON cannot hold is sent
+    as its text, and a stdout that cannot be written drops the line)."""
+    try:
+        if _sink is not None:
+            _sink(event)
+            return
+        # Not `print`: Ray Train patches it in its workers to log through the root logger as well, and
+        # every line reached the console twice.
+        sys.stdout.write(MARK + json.dumps(event, default=str) + "\n")
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001, S110 - see the docstring
+        pass
+
+
+def parse(line: str) -> dict | None:
+    """The event in a forwarded line, or None for a library's line."""
+    i = line.find(MARK)
+    if i < 0:
+        return None
+    try:
+        event = json.loads(line[i + len(MARK):])
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+class RankZeroLogger:
+    """Metrics from rank 0 straight into the stage's MLflow run (workers have no driver objects), and
+    the training progress on the driver's console."""
+
+    def __init__(self, tracking_uri: str, run_id: str, rank: int, prefix: str):
+        self.rank, self.prefix, self.client, self.run_id = rank, prefix, None, run_id
+        if rank == 0:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient(tracking_uri)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.client is None:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def print(self, message: str) -> None:
+        if self.rank == 0:
+            say(f"{self.prefix}: {message}")
+
+    def step(self, step: int, total: int, metrics: dict[str, float]) -> None:
+        """Progress of training on the driver's console (a live bar, or periodic lines in logs)."""
+        if self.rank == 0:
+            shown = {k: v for k, v in metrics.items() if k in PROGRESS_METRICS}
+            advance(self.prefix, step, total, "step", " ".join(f"{k} {v:.4g}" for k, v in shown.items()))
