@@ -39,6 +39,7 @@ from __future__ import annotations
 import csv
 import importlib
 import json
+import math
 import os
 import shutil
 import time
@@ -303,9 +304,15 @@ def _trial(config: dict, setup: dict) -> None:
 # --------------------------------------------------------------------------- the driver
 
 
-def _progress_callback(metric: str, mode: str, num_samples: int):
+def trial_count(cfg: TuneConfig) -> int:
+    """Trials the sweep runs: `num_samples` times the size of the grid (Tune repeats the whole grid
+    `num_samples` times; a sweep without grid dimensions is `num_samples` trials)."""
+    return cfg.num_samples * math.prod(len(d.grid) for d in cfg.search_space.values() if d.grid is not None)
+
+
+def _progress_callback(metric: str, mode: str, trials: int):
     """A Tune callback reporting the sweep (Tune's own tables are off): trials finished out of
-    `num_samples` as progress, and one line per failed trial.
+    `trials` as progress, and one line per failed trial.
 
     Built on call so that importing this module does not import Ray; it holds plain values only
     because Tune pickles its run config.
@@ -319,7 +326,7 @@ def _progress_callback(metric: str, mode: str, num_samples: int):
         def _advance(self, trial, what: str) -> None:
             self.ended += 1
             best = "" if self.best is None else f", best {metric} {self.best:.4g}"
-            events.advance("tune", self.ended, num_samples, "trial", f"{trial.trial_id} {what}{best}")
+            events.advance("tune", self.ended, trials, "trial", f"{trial.trial_id} {what}{best}")
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if isinstance(result.get(metric), (int, float)):
@@ -424,7 +431,7 @@ def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
              "pipeline_run_id": ctx.pipeline_run_id, "upstream": ctx.upstream, "storage": ctx.storage}
     trainable = tune.with_resources(tune.with_parameters(_trial, setup=setup),
                                     {"cpu": cfg.resources_per_trial.cpu, "gpu": cfg.resources_per_trial.gpu})
-    ctx.progress(f"sweeping {cfg.target} over {', '.join(cfg.search_space)}: {cfg.num_samples} samples, "
+    ctx.progress(f"sweeping {cfg.target} over {', '.join(cfg.search_space)}: {trial_count(cfg)} trials, "
                  f"{cfg.scheduler.type} scheduler, {cfg.max_concurrent_trials} at a time, ranked by {cfg.metric} ({cfg.mode})")
     t0 = time.time()
     # Not every report carries the metric (checkpoint-only reports; sft's accuracy comes at the end):
@@ -441,7 +448,7 @@ def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
                                     trial_dirname_creator=lambda trial: trial.trial_id),
         # With an object store, Tune's experiment state lives in the bucket like every checkpoint.
         run_config=tune.RunConfig(name="sweep", storage_path=tune_storage, storage_filesystem=tune_fs, verbose=0,
-                                  callbacks=[_progress_callback(cfg.metric, cfg.mode, cfg.num_samples)]),
+                                  callbacks=[_progress_callback(cfg.metric, cfg.mode, trial_count(cfg))]),
     )
     try:
         grid = tuner.fit()

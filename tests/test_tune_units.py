@@ -10,7 +10,7 @@ from conftest import smoke_config
 from pipeline import storage
 from pipeline.errors import ConfigError
 from pipeline.runner import build_plan
-from stages.tune import best_trial, last_reported, trial_status
+from stages.tune import best_trial, last_reported, trial_count, trial_status
 
 SWEEP = ["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[1.0e-4, 1.0e-2]"]
 
@@ -55,6 +55,15 @@ def test_nested_and_dotted_field_paths_are_the_same_dimension(tmp_path):
     cfg = smoke_config(tmp_path, "stages.tune.target=sft", "stages.tune.search_space.deepspeed.zero_stage.grid=[0, 3]")
     assert list(cfg.stages.tune.search_space) == ["deepspeed.zero_stage"]
     assert cfg.stages.tune.search_space["deepspeed.zero_stage"].kind == "grid"
+
+
+def test_the_progress_total_counts_every_grid_point(tmp_path):
+    """A grid runs every value num_samples times: the progress line's total (it showed "trial 2/1")."""
+    grid = smoke_config(tmp_path, "stages.tune.num_samples=2", "stages.tune.search_space={lr: {grid: [0.001, 0.01, 0.1]}, "
+                        "epochs: {grid: [1, 2]}, weight_decay: {uniform: [0.0, 0.1]}}").stages.tune
+    assert trial_count(grid) == 2 * 3 * 2
+    plain = smoke_config(tmp_path, "stages.tune.num_samples=5", "stages.tune.search_space={lr: {loguniform: [1.0e-4, 1.0e-2]}}")
+    assert trial_count(plain.stages.tune) == 5
 
 
 def test_trial_status_and_best_trial():
