@@ -492,147 +492,227 @@ def configured_code(cfg: PPOConfig) -> list[str]:
 
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model."""
-    import ray
-    import torch
-
-    from stages.ppo import rl
-    from stages.ppo.scoring import (answers_of, episode_stats, evaluate, request_model_scores, rollout_batch, samples,
-                                    score, trajectories, with_env_reward)
-    from stages.ppo.worker import shard_batch
-
     t_stage = time.time()
     s = _start(cfg, ctx)
     try:
-        policy, critic, ref, reward, pool, tok = (*(s.role(k) for k in ROLES), s.pool, s.tok)
-        # A LoRA policy is its own reference (adapter off), a colocated one sits in the policy ranks; otherwise
-        # the reference role's ranks.
-        ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
-        t_ready = time.time()
-        # the SFT policy, on the held-out prompts (and, with a gold preference, each sampled answer's gold score)
-        before = evaluate(pool, s.eval_rows, tok, reward, cfg, s.rule, s.gold, s.moments, s.verify, s.episode) \
-            if s.eval_rows else None
-        kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
-        t0 = time.time()
-        start, trend = _resume(s, ctx, kl_ctl)
-        startup_s = t_ready - t_stage + time.time() - t0  # stage start -> roles and engines ready (not the evaluation)
-        # Fault drills and tests: kill engine 0 at iteration K; raise after the checkpoint of iteration N.
-        fault_at = int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1"))
-        fault_after = int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0"))
-        ppo, seed, micro, n, pad = cfg.algorithm == "ppo", ctx.pipeline.seed, cfg.micro_batch_size, cfg.sampling.n, \
-            tok.pad_token_id
-        hp = {"epochs": cfg.ppo_epochs, "micro": micro, "clip_eps": cfg.clip_eps, "entropy_coef": cfg.entropy_coef,
-              "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
-              "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.response_tokens()}
-        metrics: dict[str, float] = {}
-        ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
-        # 1.-2. sample prompts and generate. Synchronous: each iteration's rollouts come from the weights of
-        # the update before it. `rollout.async`: iteration it+1's are launched before iteration it trains, so
-        # generation overlaps scoring and training, and they come from weights one update older (staleness 1).
-        nxt = _request(s, cfg, seed, start, fault_at)
-        for it in range(start, cfg.iterations):
+        loop = _begin(s, cfg, ctx, t_stage)  # the SFT policy's held-out answers, a resumed run's state
+        nxt = _request(s, cfg, loop.seed, loop.start, loop.fault_at)
+        for it in range(loop.start, cfg.iterations):
             if cfg.eval_every and it % cfg.eval_every == 0:  # the over-optimisation curve, before update `it`
-                _curve_point(s, cfg, ref, ref_call, it, trend, ctx)
+                _curve_point(s, cfg, loop.ref, loop.ref_call, it, loop.trend, ctx)
             t_iter = time.time()
-            req = _collect(s, nxt, n, ctx.progress)
+            # 1.-2. sample prompts and generate. Synchronous: each iteration's rollouts come from the weights of
+            # the update before it. `rollout.async`: iteration it+1's are launched before iteration it trains, so
+            # generation overlaps scoring and training, and they come from weights one update older (staleness 1).
+            req = _collect(s, nxt, cfg.sampling.n, ctx.progress)
             if cfg.rollout.async_ and it + 1 < cfg.iterations:
-                nxt = _request(s, cfg, seed, it + 1, fault_at)
-            rows, flat = req.rows, [x for group in req.generated for x in group]
-            responses = [x["ids"] for x in flat]
-            truncated = sum(not x["finished"] for x in flat) / len(responses)
-            rollout_lp = [x["logprobs"] for x in flat]
-            # policy updates made since the weights that generated these rollouts (0 synchronous, <= 1 async)
-            staleness = it - min(x["version"] for x in flat)
-            if staleness > cfg.rollout.max_staleness():
-                raise AssertionError(f"iteration {it}: rollouts {staleness} updates old exceed the bound "
-                                     f"{cfg.rollout.max_staleness()}")
-            t_gen, gen_span = req.wait_s, time.time() - req.launched
-            # 3.-4. score. The reward model, the reference, the old policy and the critic are independent:
-            # all four are issued at once and run concurrently on their own ranks; the rule reward meanwhile.
-            t0 = time.time()
-            texts = answers_of(tok, flat)  # a multi-turn sample's last turn: what the rewards judge
-            batch = rollout_batch(rows, flat, pad)  # the environment's tokens masked out
-            shards = shard_batch(batch, len(policy))
-            rm_refs = request_model_scores(texts, rows, reward, cfg)
-            ref_refs = ref.run_each(ref_call, shard_batch(batch, len(ref)), micro=micro)
-            own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
-            old_refs = policy.run_each("logprobs", shards, micro=micro) if own else []
-            value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
-            scores, rule_scores, rm_scores, rm_spread = score(texts, rows, reward, cfg, s.rule, rm_refs, s.moments,
-                                                              update=True)
-            scores = with_env_reward(scores, flat, cfg)
-            mask, score_t = batch["response_mask"], torch.tensor(scores)
-            rollout_lp = rl.pad_rows(rollout_lp, mask.shape[1])
-            ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
-            values = torch.cat(ray.get(value_refs)) if ppo else None
-            kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)
-            # the engines sampled these tokens; how far their log-probs are from the trainer's (same weights when
-            # synchronous; one update apart with rollout.async, which the importance weights then correct)
-            mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask) if own else {}
-            if own and (cfg.tis.enabled or cfg.rollout.async_):
-                batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
-            # 5. advantages
-            adv, returns, hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, kl_ctl.value, values)
-            if ppo:
-                batch.update(old_values=values, returns=returns)
-            batch.update(advantages=adv, old_logprobs=old_lp, ref_logprobs=ref_lp)
-            t_score = time.time() - t0
-            # 6. PPO epochs: policy and critic train concurrently, each on its data-parallel shares
-            t0 = time.time()
-            refs = policy.run_each("train_policy", shard_batch(batch, len(policy)), hp=hp)
-            crefs = critic.run_each("train_critic", shard_batch(batch, len(critic)), hp=hp) if ppo else []
-            stats = ray.get(refs)[0] | (ray.get(crefs)[0] if ppo else {})
-            t_train = time.time() - t0
-            # 7. sync: one put of the new weights, every engine loads them (async: once the next rollouts are in)
+                nxt = _request(s, cfg, loop.seed, it + 1, loop.fault_at)
+            scored = _score(s, cfg, loop, req, it)  # 3.-5. rewards, reference, old policy, values; advantages
+            trained = _train(s, loop, scored.batch)  # 6. PPO epochs, policy and critic at once
             if nxt is not req:
-                _collect(s, nxt, n, ctx.progress)
-            t0 = time.time()
-            weights_ref, sync_bytes = policy.get("export_weights")[0]
-            load_s = pool.sync(weights_ref, version=it + 1)
-            t_sync = time.time() - t0
+                _collect(s, nxt, cfg.sampling.n, ctx.progress)
+            synced = _sync(s, it)  # 7. the new weights to every engine (async: once the next rollouts are in)
             if nxt is req and it + 1 < cfg.iterations:
-                nxt = _request(s, cfg, seed, it + 1, fault_at)
-            # 8. log
-            seq_kl = float(rl.masked_mean(kl, mask, dim=1).mul(mask.sum(1)).mean())
-            kl_ctl.update(seq_kl, len(rows))
-            gen_tokens = float(mask.sum())
-            metrics = {
-                "reward_mean": float(score_t.mean()), "rule_reward_mean": sum(rule_scores) / len(rule_scores),
-                "kl": seq_kl, "kl_coef": kl_ctl.value, "response_length": gen_tokens / len(rows),
-                "truncated_frac": truncated,  # cut off by sampling.max_new_tokens (or environment max_turns / max_tokens)
-                **episode_stats(flat),  # with an environment: turns, tool calls, errors and time
-                **{k: v for k, v in stats.items()}, "generate_s": t_gen, "score_s": t_score, "train_s": t_train,
-                "sync_s": t_sync, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20, "staleness": staleness,
-                "gen_tokens_per_s": gen_tokens / max(gen_span, 1e-9), "iteration_s": time.time() - t_iter,
-                "engine_restarts": pool.restarts, **mismatch, **({"startup_s": startup_s} if it == start else {}),
-                **({"rm_score_mean": sum(rm_scores) / len(rm_scores)} if rm_scores else {}),
-                **({"rm_spread_mean": sum(rm_spread) / len(rm_spread)} if rm_spread else {}),  # heads' disagreement
-                **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(texts, rows)) / len(rows)} if s.gold else {}),
-                **s.rule.counts(),  # rule_timeouts, rule_errors: calls of the rule reward that scored timeout_score
-            }
-            ctx.log_metrics(metrics, step=it + 1)
-            trend["reward"].append(metrics["reward_mean"])
-            trend["kl"].append(seq_kl)
-            if cfg.log_samples:
-                ctx.log_dict(samples(rows, texts, scores, rule_scores, cfg.log_samples, n), f"samples/iter_{it + 1:04d}.json")
-            if cfg.environment and cfg.environment.log_trajectories:
-                ctx.log_dict(trajectories(rows, flat, scores, cfg.environment.log_trajectories, n),
-                             f"trajectories/iter_{it + 1:04d}.json")
-            ctx.advance(it + 1, cfg.iterations, "iter",
-                        f"reward {metrics['reward_mean']:.3f} rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} "
-                        f"len {metrics['response_length']:.1f}"
-                        + (f" calls {metrics['tool_calls_per_sample']:.2f}" if "tool_calls_per_sample" in metrics else "")
-                        + f" | gen {t_gen:.1f}s score {t_score:.1f}s "
-                        f"train {t_train:.1f}s sync {t_sync:.2f}s")
-            # 9. checkpoint
-            if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
-                _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": kl_ctl.value, "trend": trend,
-                      "moments": s.moments.state() if s.moments is not None else None}, ctx.storage)
-                if fault_after and it + 1 >= fault_after > start:
-                    raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
+                nxt = _request(s, cfg, loop.seed, it + 1, loop.fault_at)
+            loop.metrics = _log(s, cfg, ctx, loop, it, scored, trained, synced, t_iter)  # 8.
+            _checkpoint(s, cfg, ctx, loop, it)  # 9.
         if cfg.eval_every and cfg.iterations % cfg.eval_every == 0:  # the curve's last point: the trained policy
-            _curve_point(s, cfg, ref, ref_call, cfg.iterations, trend, ctx)
-        out, final = _finish(s, cfg, ctx, before, metrics, trend)
+            _curve_point(s, cfg, loop.ref, loop.ref_call, cfg.iterations, loop.trend, ctx)
+        out, final = _finish(s, cfg, ctx, loop.before, loop.metrics, loop.trend)
         ctx.log_metrics(final, step=cfg.iterations)
         return {"policy_model": out}
     finally:
         s.close()
+
+
+# --------------------------------------------------------------------------- the loop's steps
+
+
+@dataclass
+class _Loop:
+    """What every iteration uses and carries on: the roles as called, the workers' hyper-parameters,
+    the KL controller, the trends the checkpoint keeps, and the held-out answers from before."""
+
+    ref: Any  # the reference's group: the policy itself (adapter off) with LoRA
+    ref_call: str  # its method for reference log-probs
+    hp: dict  # what the policy and critic ranks train with (kl_loss_coef set per iteration)
+    kl_ctl: Any
+    start: int  # the first iteration (after a resume)
+    trend: dict
+    before: tuple | None  # the SFT policy's held-out answers (scoring.evaluate)
+    seed: int
+    fault_at: int  # fault drills and tests: kill engine 0 at this iteration
+    fault_after: int  # ... raise after the checkpoint of this one
+    startup_s: float  # stage start -> roles and engines ready (not the evaluation)
+    metrics: dict = field(default_factory=dict)  # the last iteration's
+
+
+@dataclass
+class _Scored:
+    """One iteration's rollouts, scored, as the trainer's batch (advantages in), and what the log reports."""
+
+    rows: list[dict]
+    flat: list[dict]  # every sample, a prompt's adjacent
+    texts: list[str]
+    batch: dict
+    scores: list[float]
+    rule_scores: list[float]
+    rm_scores: list[float]
+    rm_spread: list[float]
+    kl: Any  # per token, (B, T)
+    mismatch: dict
+    staleness: int
+    wait_s: float  # the loop waited this long for the rollouts
+    gen_span: float  # launch -> scored
+    score_s: float
+
+
+def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, t_stage: float) -> _Loop:
+    """The SFT policy on the held-out prompts (with a gold preference, each sampled answer's gold
+    score too), then the KL controller and the state of a resumed run."""
+    from stages.ppo import rl
+    from stages.ppo.scoring import evaluate
+
+    t_ready = time.time()
+    policy, ref = s.role("policy"), s.role("reference")
+    # A LoRA policy is its own reference (adapter off), a colocated one sits in the policy ranks; otherwise
+    # the reference role's ranks.
+    ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
+    before = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
+                      s.episode) if s.eval_rows else None
+    kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
+    t0 = time.time()
+    start, trend = _resume(s, ctx, kl_ctl)
+    hp = {"epochs": cfg.ppo_epochs, "micro": cfg.micro_batch_size, "clip_eps": cfg.clip_eps,
+          "entropy_coef": cfg.entropy_coef, "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
+          "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.response_tokens()}
+    ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
+    return _Loop(ref, ref_call, hp, kl_ctl, start, trend, before, ctx.pipeline.seed,
+                 int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1")),
+                 int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0")),
+                 t_ready - t_stage + time.time() - t0)
+
+
+def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) -> _Scored:
+    """Steps 3.-5.: score the rollouts and compute the advantages. The reward model, the reference, the
+    old policy and the critic are independent: all four are issued at once and run concurrently on
+    their own ranks; the rule reward meanwhile."""
+    import ray
+    import torch
+
+    from stages.ppo import rl
+    from stages.ppo.scoring import answers_of, request_model_scores, rollout_batch, score, with_env_reward
+    from stages.ppo.worker import shard_batch
+
+    policy, critic, reward, micro = s.role("policy"), s.role("critic"), s.role("reward"), cfg.micro_batch_size
+    ppo = cfg.algorithm == "ppo"
+    flat = [x for group in req.generated for x in group]
+    # policy updates made since the weights that generated these rollouts (0 synchronous, <= 1 async)
+    staleness = it - min(x["version"] for x in flat)
+    if staleness > cfg.rollout.max_staleness():
+        raise AssertionError(f"iteration {it}: rollouts {staleness} updates old exceed the bound "
+                             f"{cfg.rollout.max_staleness()}")
+    gen_span = time.time() - req.launched
+    t0 = time.time()
+    texts = answers_of(s.tok, flat)  # a multi-turn sample's last turn: what the rewards judge
+    batch = rollout_batch(req.rows, flat, s.tok.pad_token_id)  # the environment's tokens masked out
+    rm_refs = request_model_scores(texts, req.rows, reward, cfg)
+    ref_refs = loop.ref.run_each(loop.ref_call, shard_batch(batch, len(loop.ref)), micro=micro)
+    own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
+    old_refs = policy.run_each("logprobs", shard_batch(batch, len(policy)), micro=micro) if own else []
+    value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
+    scores, rule_scores, rm_scores, rm_spread = score(texts, req.rows, reward, cfg, s.rule, rm_refs, s.moments,
+                                                      update=True)
+    scores = with_env_reward(scores, flat, cfg)
+    mask, score_t = batch["response_mask"], torch.tensor(scores)
+    rollout_lp = rl.pad_rows([x["logprobs"] for x in flat], mask.shape[1])
+    ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
+    values = torch.cat(ray.get(value_refs)) if ppo else None
+    kl = rl.kl_penalty(old_lp, ref_lp, cfg.kl.estimator)
+    # the engines sampled these tokens; how far their log-probs are from the trainer's (same weights when
+    # synchronous; one update apart with rollout.async, which the importance weights then correct)
+    mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask) if own else {}
+    if own and (cfg.tis.enabled or cfg.rollout.async_):
+        batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
+    adv, returns, loop.hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, loop.kl_ctl.value, values)
+    if ppo:
+        batch.update(old_values=values, returns=returns)
+    batch.update(advantages=adv, old_logprobs=old_lp, ref_logprobs=ref_lp)
+    return _Scored(req.rows, flat, texts, batch, scores, rule_scores, rm_scores, rm_spread, kl, mismatch, staleness,
+                   req.wait_s, gen_span, time.time() - t0)
+
+
+def _train(s: _Session, loop: _Loop, batch: dict) -> dict:
+    """Step 6.: the PPO epochs; policy and critic train concurrently, each on its data-parallel shares.
+    Their stats, and `train_s`."""
+    import ray
+
+    from stages.ppo.worker import shard_batch
+
+    t0 = time.time()
+    policy, critic = s.role("policy"), s.role("critic")
+    refs = policy.run_each("train_policy", shard_batch(batch, len(policy)), hp=loop.hp)
+    crefs = critic.run_each("train_critic", shard_batch(batch, len(critic)), hp=loop.hp) if critic else []
+    return ray.get(refs)[0] | (ray.get(crefs)[0] if critic else {}) | {"train_s": time.time() - t0}
+
+
+def _sync(s: _Session, it: int) -> dict:
+    """Step 7.: one put of the new weights, every engine loads them; the timings and size."""
+    t0 = time.time()
+    weights_ref, sync_bytes = s.role("policy").get("export_weights")[0]
+    load_s = s.pool.sync(weights_ref, version=it + 1)
+    return {"sync_s": time.time() - t0, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20}
+
+
+def _log(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, sc: _Scored, trained: dict,
+         synced: dict, t_iter: float) -> dict:
+    """Step 8.: update the KL controller, log the iteration's metrics (and samples, trajectories), report progress."""
+    import torch
+
+    from stages.ppo import rl
+    from stages.ppo.scoring import episode_stats, samples, trajectories
+
+    mask, n = sc.batch["response_mask"], len(sc.rows)
+    seq_kl = float(rl.masked_mean(sc.kl, mask, dim=1).mul(mask.sum(1)).mean())
+    loop.kl_ctl.update(seq_kl, n)
+    gen_tokens = float(mask.sum())
+    rm, spread = sc.rm_scores, sc.rm_spread
+    metrics = {
+        "reward_mean": float(torch.tensor(sc.scores).mean()), "rule_reward_mean": sum(sc.rule_scores) / len(sc.rule_scores),
+        "kl": seq_kl, "kl_coef": loop.kl_ctl.value, "response_length": gen_tokens / n,
+        # cut off by sampling.max_new_tokens (or environment max_turns / max_tokens)
+        "truncated_frac": sum(not x["finished"] for x in sc.flat) / len(sc.flat),
+        **episode_stats(sc.flat),  # with an environment: turns, tool calls, errors and time
+        **trained, "generate_s": sc.wait_s, "score_s": sc.score_s, **synced, "staleness": sc.staleness,
+        "gen_tokens_per_s": gen_tokens / max(sc.gen_span, 1e-9), "iteration_s": time.time() - t_iter,
+        "engine_restarts": s.pool.restarts, **sc.mismatch, **({"startup_s": loop.startup_s} if it == loop.start else {}),
+        **({"rm_score_mean": sum(rm) / len(rm)} if rm else {}),
+        **({"rm_spread_mean": sum(spread) / len(spread)} if spread else {}),  # heads' disagreement
+        **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(sc.texts, sc.rows)) / n} if s.gold else {}),
+        **s.rule.counts(),  # rule_timeouts, rule_errors: calls of the rule reward that scored timeout_score
+    }
+    ctx.log_metrics(metrics, step=it + 1)
+    loop.trend["reward"].append(metrics["reward_mean"])
+    loop.trend["kl"].append(seq_kl)
+    if cfg.log_samples:
+        ctx.log_dict(samples(sc.rows, sc.texts, sc.scores, sc.rule_scores, cfg.log_samples, cfg.sampling.n),
+                     f"samples/iter_{it + 1:04d}.json")
+    if cfg.environment and cfg.environment.log_trajectories:
+        ctx.log_dict(trajectories(sc.rows, sc.flat, sc.scores, cfg.environment.log_trajectories, cfg.sampling.n),
+                     f"trajectories/iter_{it + 1:04d}.json")
+    ctx.advance(it + 1, cfg.iterations, "iter",
+                f"reward {metrics['reward_mean']:.3f} rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} "
+                f"len {metrics['response_length']:.1f}"
+                + (f" calls {metrics['tool_calls_per_sample']:.2f}" if "tool_calls_per_sample" in metrics else "")
+                + f" | gen {sc.wait_s:.1f}s score {sc.score_s:.1f}s train {trained['train_s']:.1f}s "
+                f"sync {synced['sync_s']:.2f}s")
+    return metrics
+
+
+def _checkpoint(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int) -> None:
+    """Step 9.: every `checkpoint_every` iterations and at the end (and the fault drill's raise after one)."""
+    if (it + 1) % cfg.checkpoint_every == 0 or it + 1 == cfg.iterations:
+        _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": loop.kl_ctl.value, "trend": loop.trend,
+              "moments": s.moments.state() if s.moments is not None else None}, ctx.storage)
+        if loop.fault_after and it + 1 >= loop.fault_after > loop.start:
+            raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
