@@ -8,7 +8,7 @@ lengths (greedy, `ignore_eos`, exactly `--tokens` tokens per request) measures:
 
 1. Offline baseline, in a child process: `LLM.generate` on all prompts at once (throughput), and
    one prompt at a time (single-request latency).
-2. The served API (`stages.serve.Server`: Ray Serve LLM, OpenAI ingress, request guard), loaded
+2. The served API (`stages.serve.app.Server`: Ray Serve LLM, OpenAI ingress, request guard), loaded
    with the official `openai` client: `--requests` completions, `--concurrency` in flight
    (throughput, latency p50/p95), then one at a time (single-request latency).
 
@@ -84,7 +84,8 @@ def served(model_dir: Path, args) -> dict:
     import openai
     import ray
 
-    from stages.serve import ServeConfig, Server, percentile
+    from stages.serve import ServeConfig
+    from stages.serve.app import Server, percentile
 
     cfg = ServeConfig(model_id="bench", engine=engine(), http={"port": PORT})
     ray.init(num_cpus=8, include_dashboard=False)

@@ -17,20 +17,22 @@ Exit codes (for schedulers; `run --json` also prints a machine-readable summary 
         nothing was written)
     3   another run holds the run directory's lock (try again later)
     130 interrupted (Ctrl-C or SIGTERM)
+
+This module reads the command line and dispatches it; what a run prints (tables, the --json summary)
+is in `pipeline.reports`, the `ui` command's MLflow server in `pipeline.ui`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from pipeline import outcomes
 from pipeline.errors import UserError
+from pipeline.reports import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_USER, json_summary, print_outcomes,
+                              print_plan)
 
 
 def _names(text: str) -> list[str]:
@@ -110,91 +112,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _print_plan(plan, console) -> None:
-    from rich.table import Table
-
-    table = Table("#", "stage", "status", "key", "why")
-    colour = {"hit": "green", "miss": "yellow", "skip": "dim"}
-    for i, p in enumerate(plan, 1):
-        why = p.reason if p.status != "skip" else f"not selected ({'done' if p.finished else 'not done'})"
-        table.add_row(str(i), p.spec.name, f"[{colour[p.status]}]{p.status}[/]", p.key or "(not yet known)", why)
-    console.print(table)
-    # The graph this config makes (null stages left out, consumers rewired): below the table, which stays
-    # narrow enough that its reasons do not wrap.
-    console.print("graph: " + " -> ".join(p.spec.name for p in plan))
-    for p in plan:
-        if p.spec.inputs:
-            console.print(f"  {p.spec.name} reads {', '.join(p.spec.inputs)}")
-
-
 def _default_model(cfg) -> str:
     from stages.common.model_registry import model_uri
 
     return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
 
 
-VIEW_STAGES = ("sft", "reward", "dpo", "ppo", "serve")  # stages whose headline metrics are runs-table columns
-
-
-def ui_url(cfg, port: int) -> str:
-    """Where to open the UI: the run's experiment in MLflow's model-training view, its runs listed
-    with each stage's headline metrics (a view shared through the experiment, written here).
-
-    MLflow 3.17's UI opens every experiment in its GenAI view (traces, evaluations) unless the
-    address says otherwise; the experiment's own kind tag is not what decides it."""
-    from mlflow.tracking import MlflowClient
-
-    from pipeline import outcomes
-    from pipeline.registry import STAGES
-    from pipeline.tracking import share_runs_view
-
-    base = f"http://127.0.0.1:{port}"
-    client = MlflowClient(cfg.tracking_uri)
-    try:
-        exp = client.get_experiment_by_name(cfg.mlflow.experiment)
-    except Exception:  # noqa: BLE001 - an unreadable store: the server will say why
-        exp = None
-    if exp is None:
-        return base
-    url = f"{base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
-    # Whether post-training worked; the parent run's other outcomes (rows, sizes) are a click away.
-    columns = [f"{s.name}.{m}" for s in STAGES if s.name in VIEW_STAGES for t in s.outcomes for m in outcomes.fields(t)]
-    try:
-        return f"{url}&viewStateShareKey={share_runs_view(client, exp.experiment_id, columns)}"
-    except Exception:  # noqa: BLE001 - a read-only store: the default view
-        return url
-
-
-def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run a server command until it ends, or until Ctrl-C / SIGTERM stops it and every process it
-    started (its own process group: `mlflow ui` runs its web server and workers as children, which
-    outlived a SIGINT sent to this process alone)."""
-    import signal
-
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
-
-    def stop(*_):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _serve(cfg, args, console) -> int:
     from pipeline.tracking import check_reachable
-    from stages.serve import serve_model
+    from stages.serve.app import serve_model
 
     check_reachable(cfg.tracking_uri)
     serve_model(cfg.stages.serve, args.model or _default_model(cfg), cfg.tracking_uri, cfg.run_dir / "registry_cache",
@@ -213,83 +139,6 @@ def _batch_infer(cfg, args, console) -> int:
 
 def _logger(name: str, console):
     return lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {name}: {m}")
-
-
-EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-_OUTCOME = {EXIT_OK: "succeeded", EXIT_FAILED: "failed", EXIT_USER: "config_error", EXIT_LOCKED: "locked",
-            EXIT_INTERRUPTED: "interrupted"}
-
-
-def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
-    """The `run --json` document: the outcome and, per stage, what happened and where its results are."""
-    from pipeline import storage
-
-    stages = []
-    for p in summary.get("plan", []):
-        name = p.spec.name
-        manifest = summary.get("stages", {}).get(name)
-        if manifest is not None:
-            status = p.status
-        elif p.status == "skip":
-            status = "skip"
-        else:
-            status = "failed" if summary.get("running") == name else "not_run"
-        out_dir = storage.artifact_dir(cfg.run_dir, name, p.key) if p.key else None
-        metrics = (manifest or {}).get("metrics", {})
-        stages.append({
-            "name": name, "status": status, "reason": p.reason, "cache_key": p.key,
-            "duration_s": summary.get("durations", {}).get(name),
-            "artifact": str(out_dir) if manifest is not None or (status == "skip" and p.finished) else None,
-            "outputs": {k: str(v) for k, v in storage.output_paths(manifest, out_dir).items()} if manifest else {},
-            "mlflow_run_id": summary.get("run_ids", {}).get(name),
-            "outcomes": outcomes.headline(p.spec.outcomes, metrics), "outcome": outcomes.describe(p.spec.outcomes, metrics),
-        })
-    return {"status": _OUTCOME.get(exit_code, "failed"), "exit_code": exit_code, "error": error,
-            "run_dir": str(cfg.run_dir) if cfg else None, "tracking_uri": cfg.tracking_uri if cfg else None,
-            "mlflow_parent_run_id": summary.get("parent_run_id"), "registered_model": registered_model(cfg, summary),
-            "stages": stages}
-
-
-def registered_model(cfg, summary: dict) -> str | None:
-    """The registry URI the serve stage moved its alias to in this run (None without one)."""
-    from pipeline import storage
-
-    manifest, plan = summary.get("stages", {}).get("serve"), {p.spec.name: p for p in summary.get("plan", [])}
-    if manifest is None or cfg is None:
-        return None
-    path = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, "serve", plan["serve"].key))
-    try:
-        return json.loads(Path(path["served_model"]).read_text())["uri"]
-    except (KeyError, OSError, ValueError):
-        return None
-
-
-def print_outcomes(cfg, config_path, summary: dict, console) -> None:
-    """The end-of-run table: each stage, hit or miss, its time and what it achieved; then where to look."""
-    from rich.table import Table
-
-    rows = []
-    for p in summary.get("plan", []):
-        manifest = summary.get("stages", {}).get(p.spec.name)
-        if manifest is not None:
-            seconds = summary.get("durations", {}).get(p.spec.name)
-            rows.append((p.spec.name, p.status, f"{seconds:.0f}s" if seconds is not None else "",
-                         outcomes.describe(p.spec.outcomes, manifest.get("metrics", {}))))
-    if console.is_terminal:
-        table = Table(title="run summary", title_justify="left", show_edge=False, pad_edge=False)
-        for column in ("stage", "cache", "time", "outcome"):
-            table.add_column(column, justify="right" if column == "time" else "left", overflow="fold")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-    else:  # a log file or a pipe: one unwrapped line per stage, as grep and cron mail want them
-        console.print("run summary", soft_wrap=True)
-        for name, status, seconds, outcome in rows:
-            console.print(f"  {name:<12} {status:<5} {seconds:>6}  {outcome}", soft_wrap=True, markup=False)
-    model = registered_model(cfg, summary)
-    if model:
-        console.print(f"registered model: {model}")
-    console.print(f"compare runs: python -m pipeline ui {config_path}")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -436,14 +285,9 @@ def _command(args, console, state: dict) -> int:
         console.print(f"[green]{args.config}: valid[/]")
         return 0
     if args.command == "ui":
-        if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
-            console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
-            return 0
-        cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
-               "--host", "127.0.0.1", "--port", str(args.port), "--workers", str(args.workers)]
-        console.print(f"MLflow UI for {cfg.tracking_uri} at {ui_url(cfg, args.port)} (Ctrl-C stops it)")
-        # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
-        return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ})
+        from pipeline.ui import run_ui
+
+        return run_ui(cfg, args.port, args.workers, console)
     if args.command == "serve":
         return _serve(cfg, args, console)
     if args.command == "batch-infer":
@@ -461,7 +305,7 @@ def _command(args, console, state: dict) -> int:
         print(job_id)
         return jobs.wait(args.address, job_id, console, args.deadline) if args.wait else 0
     if args.command == "plan":
-        _print_plan(build_plan(cfg, **selection), console)  # reads only: writes and starts nothing
+        print_plan(build_plan(cfg, **selection), console)  # reads only: writes and starts nothing
         return 0
     from pipeline.tracking import check_reachable
 

@@ -139,7 +139,7 @@ def test_the_mlflow_ui_lists_each_run_with_its_outcomes_and_its_stages(finished_
 
     from helpers.cluster import free_port
     from helpers.mlflow_server import server_process
-    from pipeline.__main__ import ui_url
+    from pipeline.ui import ui_url
     from pipeline.config import load_config
 
     assert CHROMIUM, "headless Chromium is needed: `make setup` installs it (scripts/setup.sh, Debian package chromium)"

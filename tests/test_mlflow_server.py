@@ -38,7 +38,7 @@ def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_pat
         assert parent.data.tags["mlflow.source.name"] == f"pipeline run {SMOKE}"
         assert load_config(SMOKE, [f"run_dir={run_dir}"]).tracking_uri.endswith(str(run_dir / "mlflow.db"))
         # The address printed opens this experiment's runs table (MLflow 3.17 opens its GenAI view otherwise).
-        from pipeline.__main__ import ui_url
+        from pipeline.ui import ui_url
 
         address = ui_url(load_config(SMOKE, [f"run_dir={run_dir}"]), port)
         prefix = f"{url}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey="

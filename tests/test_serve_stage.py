@@ -76,7 +76,7 @@ def champion(registered, tracking_uri, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(registered, champion, ray_local, monkeypatch_module):
     """The champion served with an API key, and an adapter on it as `<model>:tuned`, for the module."""
-    from stages.serve import Server
+    from stages.serve.app import Server
 
     run_dir, _ = registered
     model_dir, adapter = champion

@@ -16,7 +16,9 @@ from pipeline.errors import ConfigError, UserError
 from pipeline.runner import build_plan
 from stages.batch_infer import BatchInferConfig, check_not_all_failed, request, result, summarize
 from stages.common import model_registry
-from stages.serve import RETRY_AFTER_S, LimitsConfig, RequestGuard, check_body, key_tags, percentile
+from stages.serve import key_tags
+from stages.serve.app import percentile
+from stages.serve.guard import RETRY_AFTER_S, LimitsConfig, RequestGuard, check_body
 
 
 def _model(path, weights: bytes):
@@ -260,7 +262,7 @@ def test_every_post_route_of_the_ingress_goes_through_the_checks():
     from fastapi import FastAPI
     from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
 
-    from stages.serve import ROUTES
+    from stages.serve.guard import ROUTES
 
     app = FastAPI()
     for route in DEFAULT_ENDPOINTS.values():
@@ -296,7 +298,8 @@ def test_a_dead_engine_is_answered_503_with_retry_after_and_other_errors_pass_th
 
 
 def test_requests_without_max_tokens_get_the_limit_from_the_engine(tmp_path):
-    from stages.serve import HEALTH_CHECK_PERIOD_S, ServeConfig, llm_config
+    from stages.serve import ServeConfig
+    from stages.serve.app import HEALTH_CHECK_PERIOD_S, llm_config
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
     cfg = ServeConfig.model_validate({"limits": {"max_tokens": 1000}, "engine": {
@@ -430,7 +433,7 @@ def test_deploying_reports_running_replicas_until_serve_run_returns(monkeypatch)
 
     from ray import serve
 
-    from stages.serve import APP, _watch_replicas
+    from stages.serve.app import APP, _watch_replicas
 
     polls = iter([{"LLMServer": {"STARTING": 1}, "OpenAiIngress": {"RUNNING": 1}},
                   {"LLMServer": {"RUNNING": 1}, "OpenAiIngress": {"RUNNING": 1}}])
@@ -465,7 +468,7 @@ def _adapter(tmp_path, name: str, kind: str = "causal", r: int = 4):
 
 
 def test_adapters_to_serve_are_checked_and_named_before_anything_starts(tmp_path):
-    from stages.serve import adapter_rank, lora_rank_limit, parse_adapter
+    from stages.serve.app import adapter_rank, lora_rank_limit, parse_adapter
 
     assert parse_adapter("ppo=runs/x/adapter") == ("ppo", Path("runs/x/adapter"))
     assert parse_adapter("runs/x/tuned")[0] == "tuned"  # named after its directory
@@ -488,7 +491,8 @@ def test_adapters_to_serve_are_checked_and_named_before_anything_starts(tmp_path
 
 
 def test_served_adapters_switch_on_vllm_lora_and_unknown_model_names_get_404(tmp_path):
-    from stages.serve import ServeConfig, llm_config
+    from stages.serve import ServeConfig
+    from stages.serve.app import llm_config
 
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
     adapters = {"a": _adapter(tmp_path, "a", r=4), "b": _adapter(tmp_path, "b", r=12)}
@@ -508,7 +512,7 @@ def test_served_adapters_switch_on_vllm_lora_and_unknown_model_names_get_404(tmp
 
 
 def test_the_adapter_loader_hands_serve_the_named_directory(tmp_path):
-    from stages.serve import LocalAdapters
+    from stages.serve.app import LocalAdapters
 
     loader = LocalAdapters({"tuned": str(tmp_path)}, download_timeout_s=30, max_tries=3)  # as Serve LLM builds it
     first = asyncio.run(loader.load_model_from_config("m:tuned", None))

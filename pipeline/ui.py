@@ -1,0 +1,83 @@
+"""The `ui` command: MLflow's UI on a run's tracking store, opened on the run's experiment.
+
+`run_ui` starts `mlflow ui` on a local store (bound to 127.0.0.1) until Ctrl-C, or says where to
+browse a tracking server; `ui_url` is the address it prints (the model-training view with each
+stage's headline metrics as columns); `_run_server` runs the server and stops its whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+VIEW_STAGES = ("sft", "reward", "dpo", "ppo", "serve")  # stages whose headline metrics are runs-table columns
+
+
+def ui_url(cfg, port: int) -> str:
+    """Where to open the UI: the run's experiment in MLflow's model-training view, its runs listed
+    with each stage's headline metrics (a view shared through the experiment, written here).
+
+    MLflow 3.17's UI opens every experiment in its GenAI view (traces, evaluations) unless the
+    address says otherwise; the experiment's own kind tag is not what decides it."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline import outcomes
+    from pipeline.registry import STAGES
+    from pipeline.tracking import share_runs_view
+
+    base = f"http://127.0.0.1:{port}"
+    client = MlflowClient(cfg.tracking_uri)
+    try:
+        exp = client.get_experiment_by_name(cfg.mlflow.experiment)
+    except Exception:  # noqa: BLE001 - an unreadable store: the server will say why
+        exp = None
+    if exp is None:
+        return base
+    url = f"{base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+    # Whether post-training worked; the parent run's other outcomes (rows, sizes) are a click away.
+    columns = [f"{s.name}.{m}" for s in STAGES if s.name in VIEW_STAGES for t in s.outcomes for m in outcomes.fields(t)]
+    try:
+        return f"{url}&viewStateShareKey={share_runs_view(client, exp.experiment_id, columns)}"
+    except Exception:  # noqa: BLE001 - a read-only store: the default view
+        return url
+
+
+def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a server command until it ends, or until Ctrl-C / SIGTERM stops it and every process it
+    started (its own process group: `mlflow ui` runs its web server and workers as children, which
+    outlived a SIGINT sent to this process alone)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_ui(cfg, port: int, workers: int, console) -> int:
+    """`python -m pipeline ui CONFIG`: the MLflow UI on the run's local tracking store until Ctrl-C
+    (a tracking server has its own UI: its address is printed instead)."""
+    if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
+        console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
+        return 0
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
+           "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+    console.print(f"MLflow UI for {cfg.tracking_uri} at {ui_url(cfg, port)} (Ctrl-C stops it)")
+    # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
+    return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ})
