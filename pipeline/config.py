@@ -100,7 +100,7 @@ class StagesConfig(Section):
                                                  "prompts dataset); empty: no such stage (the batch-infer command "
                                                  "still works).")
     tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward, dpo or ppo); "
-                                    "empty: no sweep. See the README's tune section.")
+                                    "empty: no sweep. See docs/tune.md.")
 
 
     @model_validator(mode="after")
@@ -317,7 +317,7 @@ def subsection(annotation: Any) -> tuple[type[Section] | None, str]:
 
 
 def reference(model: type[Section] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key path, default, description) for every option: the README's config reference."""
+    """(key path, default, description) for every option: the config reference, docs/configuration.md."""
     rows = []
     for name, f in model.model_fields.items():
         path = f"{prefix}{f.alias or name}"  # the YAML key (`async` is a Python keyword: field async_)

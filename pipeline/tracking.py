@@ -6,7 +6,7 @@ config. Uses `MlflowClient` with explicit run ids rather than the fluent `mlflow
 so nothing depends on a global "active run" (stages may log from callbacks and other threads).
 
 The default store is SQLite under the run directory, with artifacts beside it; any tracking
-server URI works the same way (`mlflow server`, see README). A server's user and password are
+server URI works the same way (`mlflow server`, see docs/tracking.md). A server's user and password are
 split out of its URI when the config loads and passed as MLflow expects them, in the environment
 (`split_credentials`, `take_credentials`, below): no URI the pipeline prints, logs, ships or hashes
 carries a password.
@@ -213,7 +213,7 @@ def credentials_refused(uri: str, code: int, user: str | None = None, password: 
     return UserError(f"mlflow.tracking_uri: {uri} refused the request (HTTP {code}; sent {sent}); give the "
                      "credentials in the URI (https://USER:PASSWORD@host, percent-escaping special characters) or "
                      f"as {USERNAME_ENV} / {PASSWORD_ENV} in the environment (a job run by `submit` takes the "
-                     "password from the cluster's environment, see the README's Ray Jobs section)")
+                     "password from the cluster's environment, see docs/operations.md, Ray Jobs)")
 
 
 # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces, "Evaluations");

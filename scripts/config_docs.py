@@ -1,7 +1,9 @@
-"""Regenerate the README's configuration reference from the config classes' field descriptions.
+"""Regenerate the configuration reference, docs/configuration.md, from the config classes' field descriptions.
 
-    .venv/bin/python scripts/config_docs.py          # rewrite README.md in place
-    .venv/bin/python scripts/config_docs.py --check  # exit 1 if README.md is out of date (a test runs this)
+The table sits between the BEGIN/END markers below; the page's text around them is kept as written.
+
+    .venv/bin/python scripts/config_docs.py          # rewrite docs/configuration.md in place
+    .venv/bin/python scripts/config_docs.py --check  # exit 1 if docs/configuration.md is out of date (tests/test_config.py runs this)
 """
 
 import sys
@@ -9,6 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+PAGE = ROOT / "docs" / "configuration.md"
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
 
@@ -20,16 +23,17 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def render(readme: str) -> str:
-    head, _, rest = readme.partition(BEGIN)
+def render(page: str) -> str:
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"{PAGE}: the markers {BEGIN} and {END} are missing")
+    head, _, rest = page.partition(BEGIN)
     _, _, tail = rest.partition(END)
     return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
 
 
 if __name__ == "__main__":
-    path = ROOT / "README.md"
-    text = path.read_text()
+    text = PAGE.read_text()
     new = render(text)
     if "--check" in sys.argv:
         sys.exit(0 if new == text else 1)
-    path.write_text(new)
+    PAGE.write_text(new)

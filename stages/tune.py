@@ -124,7 +124,7 @@ class TuneConfig(Section):
         ..., min_length=1, description="Field path of the target's config (e.g. 'lr', 'deepspeed.zero_stage', "
         "'policy.lr') -> {uniform|loguniform|choice|grid: ...}.")
     num_samples: int = Field(4, ge=1, description="Trials to sample (with grid dimensions: repeats of the whole grid).")
-    metric: str = Field("eval_loss", description="Reported metric that ranks trials (see the README for each target's).")
+    metric: str = Field("eval_loss", description="Reported metric that ranks trials (docs/tune.md lists each target's).")
     mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher metric is better.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Early stopping of poor trials.")
     search_alg: Literal["random", "optuna", "hyperopt"] = Field(

@@ -1,7 +1,7 @@
 """Row formats a user brings, recognised by their columns, and their validation.
 
 Three kinds of rows feed the pipeline; each kind accepts the formats people already have
-(README "Bring your own data", docs/data.md):
+(docs/data.md, "Bring your own data"):
 
 | kind         | format              | columns                                                              |
 | ------------ | ------------------- | -------------------------------------------------------------------- |

@@ -1,7 +1,7 @@
 """The PPO stage's typed config: algorithm, schedule, rollouts, rewards and the four roles.
 
 Kept apart from the stage's code so `pipeline.config` can validate a pipeline YAML without
-importing anything heavy; every field's description is the README's configuration reference.
+importing anything heavy; every field's description is in the configuration reference, docs/configuration.md.
 """
 
 from __future__ import annotations
