@@ -95,14 +95,15 @@ class AgentEngine(RolloutEngine):
         if spec.path and spec.path not in sys.path:  # the user's environment module, as the driver found it
             sys.path.insert(0, spec.path)
         make_env = environment_factory(spec.name, spec.options)
-        renderer = Renderer(tok, getattr(make_env(), "tool_schemas", None))
+        envs = [make_env() for _ in range(len(rows) * sampling.get("n", 1))]  # one per episode
+        renderer = Renderer(tok, getattr(envs[0], "tool_schemas", None) if envs else None)
         parser = ToolParserManager.get_tool_parser(spec.tool_parser)(tok)
         n, engine, tag = sampling.get("n", 1), self.llm.llm_engine, uuid.uuid4().hex[:8]
         per_turn = {k: v for k, v in sampling.items() if k not in ("n", "seed", "max_tokens")}
         episodes, active, waiting = [], {}, {}  # active: request id -> episode; waiting: future -> (episode, t0)
         for i, (prompt, row) in enumerate(zip(prompt_ids, rows)):
             for j in range(n):
-                env = make_env()
+                env = envs[i * n + j]
                 start = env.reset(row)
                 ids = list(prompt) if start is None else tok(
                     renderer.conversation(start), add_special_tokens=False)["input_ids"]
