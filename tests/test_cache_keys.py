@@ -35,7 +35,8 @@ def _rekeyed(tmp_path, monkeypatch, edited: str) -> list[str]:
     "pipeline/console.py",  # the output router, progress bars
     "pipeline/events.py",  # say / advance / metrics to MLflow from the workers
     "pipeline/stage.py",  # the stage interface: stages import it for annotations only
-    "pipeline/runner.py", "pipeline/plan.py", "pipeline/__main__.py",  # running and planning
+    "pipeline/runner.py", "pipeline/plan.py",  # running and planning
+    "pipeline/__main__.py", "pipeline/reports.py", "pipeline/ui.py",  # the CLI, what it prints, the UI
 ])
 def test_editing_reporting_interface_or_runner_code_reruns_no_stage(tmp_path, monkeypatch, edited):
     assert _rekeyed(tmp_path, monkeypatch, edited) == []
