@@ -59,6 +59,82 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                 f"budget of {budget // 60} min (docs/development.md)", bold=True)
 
 
+# --------------------------------------------------------------------------- unit modules use no Ray
+# A module named tests/*_units.py tests pure code: its tests start no Ray, join none and use none (a test that
+# needs Ray lives in the stage's module, test_<stage>_stage.py). Any of its tests fails (an error at setup or
+# teardown) that asks for a Ray fixture (refused before the fixture starts anything), calls `ray.init` (a
+# pipeline run, Ray Data's auto-init), leaves Ray initialised, or, when the session's Ray is already up,
+# calls into it from the test's thread (`Worker.check_connected`, which ray.get/put, tasks, actors and
+# placement groups call first; not while Ray imports its own libraries). The check imports ray (under a
+# second, once) to watch `ray.init`; tests/test_hygiene.py shows it failing on purpose.
+RAY_FIXTURES = frozenset({"ray_local", "smoke_upstream", "smoke_trained", "smoke_cli"})
+_RAY_WATCH = pytest.StashKey[dict]()
+
+
+def _is_units_module(item) -> bool:
+    return item.path.name.endswith("_units.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if not _is_units_module(item):
+        return
+    asked = sorted(RAY_FIXTURES & set(getattr(item, "fixturenames", ())))
+    if asked:
+        pytest.fail(f"{item.path.name} is a unit module (no Ray) but this test asks for the Ray fixture(s) "
+                    f"{', '.join(asked)}: move it to the stage's test module", pytrace=False)
+    import threading
+
+    import ray
+    from ray._private import worker as ray_worker
+
+    watch = {"init": ray.init, "up": ray.is_initialized(), "calls": [], "worker": ray_worker.global_worker}
+    main = threading.get_ident()
+
+    def init(*args, **kwargs):
+        watch["calls"].append("ray.init")
+        return watch["init"](*args, **kwargs)
+
+    ray.init = init
+    if watch["up"]:  # the session's Ray: calls into it, not a new start, would be the test's use of Ray
+        check_connected = type(watch["worker"]).check_connected
+        ray_dir = os.path.dirname(ray.__file__) + os.sep
+
+        def watched(self=watch["worker"]):
+            if threading.get_ident() == main:
+                frame = sys._getframe(1)
+                while frame is not None and frame.f_code.co_filename.startswith(ray_dir):
+                    frame = frame.f_back
+                # Importing Ray's own libraries reads the connected Ray (ray.llm asks ray.get_gpu_ids() when
+                # first imported): Ray's import, not the test's use of Ray.
+                if frame is None or not frame.f_code.co_filename.startswith("<frozen importlib"):
+                    watch["calls"].append("a call into the running Ray")
+            return check_connected(self)
+
+        watch["worker"].check_connected = watched
+    item.stash[_RAY_WATCH] = watch
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)  # the test's fixtures, module-scoped ones included, are torn down by then
+    finally:
+        watch = item.stash.get(_RAY_WATCH, None)
+        if watch is not None:
+            import ray
+
+            ray.init = watch["init"]
+            watch["worker"].__dict__.pop("check_connected", None)
+            problems = sorted(set(watch["calls"]))
+            if not watch["up"] and ray.is_initialized():
+                problems.append("Ray left initialised")
+                ray.shutdown()  # not the session's: the next tests start from no Ray, as they would have
+            if problems:
+                pytest.fail(f"{item.path.name} is a unit module (no Ray) but this test used Ray "
+                            f"({'; '.join(problems)}): move it to the stage's test module", pytrace=False)
+
+
 def smoke_config(run_dir: Path, *overrides: str):
     from pipeline.config import load_config
 

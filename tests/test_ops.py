@@ -229,26 +229,6 @@ def test_job_package_carries_code_and_the_resolved_config(tmp_path):
         "python", "-m", "pipeline", "run", "smoke.yaml", "--only", "sft", "--force", "sft"]
 
 
-def test_job_package_leaves_uri_passwords_on_the_submitting_machine(tmp_path, monkeypatch):
-    from conftest import smoke_config
-    from pipeline.config import load_config
-    from pipeline.jobs import stage_package
-    from pipeline.tracking import redacted_keys
-
-    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # the load exports them: undo after
-        monkeypatch.setenv(name, "recorded")
-        monkeypatch.delenv(name)
-    cfg = smoke_config(tmp_path / "run", "mlflow.tracking_uri=https://alice:s3cret@mlflow.internal:5000",
-                       "storage.endpoint_url=http://key:t0psecret@minio:9000")
-    # The tracking password went to the environment at load; another URI's stays, to be dropped here.
-    assert redacted_keys(cfg.model_dump(mode="json")) == ["storage.endpoint_url"]
-    package = stage_package(cfg, "smoke.yaml", tmp_path / "pkg")
-    text = (package / "smoke.yaml").read_text()
-    assert "s3cret" not in text and "t0psecret" not in text
-    # The user stays; the password comes from the node's MLFLOW_TRACKING_PASSWORD, not a "***" mask.
-    assert load_config(package / "smoke.yaml").mlflow.tracking_uri == "https://alice@mlflow.internal:5000"
-
-
 def test_a_local_tracking_file_is_refused_on_a_multi_node_cluster_only():
     from pipeline.tracking import cluster_store_problem
 

@@ -1,4 +1,5 @@
-"""The ppo stage end to end on smoke data: real vLLM engines, DeepSpeed roles, weight sync every iteration."""
+"""The ppo stage end to end on smoke data: real vLLM engines, DeepSpeed roles, weight sync every iteration
+(slow); and one rank of a role on the session's Ray, placed with its cpus_per_rank (fast)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from rich.console import Console
 from conftest import SMOKE, TRAINED, smoke_config
 from pipeline import storage
 from pipeline.runner import run_pipeline
-
-pytestmark = pytest.mark.slow
 
 # A reward the smoke policy can learn in a few iterations (share of digit characters), no KL brake,
 # and a large learning rate: what is under test is that the loop improves the policy at all.
@@ -59,6 +58,7 @@ def monkeypatch_module():
     mp.undo()
 
 
+@pytest.mark.slow
 def test_ppo_raises_the_reward(ppo_run, tracking_uri):
     _, run_id, _ = ppo_run
     reward = history(tracking_uri, run_id, "reward_mean")
@@ -71,6 +71,7 @@ def test_ppo_raises_the_reward(ppo_run, tracking_uri):
         assert len(history(tracking_uri, run_id, key)) >= 20, key
 
 
+@pytest.mark.slow
 def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, tracking_uri):
     from mlflow.tracking import MlflowClient
 
@@ -92,6 +93,7 @@ def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, 
     assert len(rows) == 4 and {"prompt", "answer", "response", "reward"} <= rows[0].keys()
 
 
+@pytest.mark.slow
 def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_the_object_store(
         ray_local, run_dir, tracking_uri, monkeypatch):
     """GRPO with `rollout.async`: iteration i+1's rollouts are generated while iteration i trains. With
@@ -153,6 +155,7 @@ def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_t
     assert max(whole("logprob_mismatch_mean").values()) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     import torch
     from transformers import AutoModelForCausalLM
@@ -167,3 +170,33 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
         assert {f"eval_{key}_before", f"eval_{key}", f"eval_{key}_sign_test_p"} <= m.keys(), key
     assert 0 < m["eval_prompts"] <= 16  # smoke.yaml's eval_prompts, capped by the eval split
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]
+
+
+# --------------------------------------------------------------------------- a role's ranks on Ray
+
+
+def _threads_worker():
+    from stages.ppo.groups import Workhorse
+
+    class Threads(Workhorse):
+        """A rank that reports how many torch threads it computes with."""
+
+        def threads(self) -> int:
+            import torch
+
+            return torch.get_num_threads()
+
+    return Threads
+
+
+def test_a_rank_reserves_its_cpus_per_rank_and_computes_with_that_many_threads(tmp_path, ray_local):
+    from stages.ppo.groups import ModelGroup
+
+    cfg = smoke_config(tmp_path, "stages.ppo.reward.cpus_per_rank=2", "stages.ppo.rewards.model_weight=0.5")
+    one = smoke_config(tmp_path, "stages.ppo.rewards.model_weight=0.5")
+    assert cfg.stages.ppo.cpus_needed() - one.stages.ppo.cpus_needed() == 1
+    group = ModelGroup("threads", _threads_worker(), num_ranks=1, cpus_per_rank=3, gpu=False)
+    try:
+        assert group.get("threads") == [3]  # not the node's 2 cores, not Ray's default of 1
+    finally:
+        group.shutdown()

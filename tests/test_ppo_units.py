@@ -46,33 +46,6 @@ def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tm
     assert cfg.stages.ppo.rollout.num_engines == 12  # checked against the cluster's resources at run time
 
 
-def _threads_worker():
-    from stages.ppo.groups import Workhorse
-
-    class Threads(Workhorse):
-        """A rank that reports how many torch threads it computes with."""
-
-        def threads(self) -> int:
-            import torch
-
-            return torch.get_num_threads()
-
-    return Threads
-
-
-def test_a_rank_reserves_its_cpus_per_rank_and_computes_with_that_many_threads(tmp_path, ray_local):
-    from stages.ppo.groups import ModelGroup
-
-    cfg = smoke_config(tmp_path, "stages.ppo.reward.cpus_per_rank=2", "stages.ppo.rewards.model_weight=0.5")
-    one = smoke_config(tmp_path, "stages.ppo.rewards.model_weight=0.5")
-    assert cfg.stages.ppo.cpus_needed() - one.stages.ppo.cpus_needed() == 1
-    group = ModelGroup("threads", _threads_worker(), num_ranks=1, cpus_per_rank=3, gpu=False)
-    try:
-        assert group.get("threads") == [3]  # not the node's 2 cores, not Ray's default of 1
-    finally:
-        group.shutdown()
-
-
 def test_a_role_is_placed_with_its_cpus_per_rank(tmp_path, monkeypatch):
     import stages.ppo.groups as groups
     from stages.ppo import _start_role

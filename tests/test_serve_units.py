@@ -406,8 +406,12 @@ def test_websockets_need_the_key_too_and_a_public_bind_needs_a_key(tmp_path):
     assert sent == [{"type": "websocket.close", "code": 1008}]  # handshake refused, the app never saw it
     with pytest.raises(ConfigError, match="host 0.0.0.0 exposes the API beyond this machine without an API key"):
         smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0")
-    assert smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.api_key_env=KEY")
-    assert smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.allow_unauthenticated=true")
+    # accepted with a key, or when told so, and bound where asked (a config object is always truthy: its fields say it)
+    keyed = smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.api_key_env=KEY").stages.serve.http
+    assert (keyed.host, keyed.api_key_env, keyed.allow_unauthenticated) == ("0.0.0.0", "KEY", False)
+    opened = smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0",
+                          "stages.serve.http.allow_unauthenticated=true").stages.serve.http
+    assert (opened.host, opened.api_key_env, opened.allow_unauthenticated) == ("0.0.0.0", None, True)
 
 
 def test_engines_load_safetensors_only_and_every_served_model_passes_the_safety_check(tmp_path):

@@ -1,7 +1,9 @@
 """The sft stage on Ray Train + DeepSpeed (2 CPU workers, smoke-sized model and data).
 
 `test_sft_learns_and_exports_a_loadable_model` checks the session's shared trained run; the ZeRO
-comparison trains two runs of its own, the ZeRO-3 one interrupted and resumed. All train for real (slow)."""
+comparison trains two runs of its own, the ZeRO-3 one interrupted and resumed. All train for real (slow).
+The batches every training rank reads (`stages.common.training.rank_batches`) are checked against Ray Data
+on the session's Ray (fast)."""
 
 from __future__ import annotations
 
@@ -150,3 +152,55 @@ def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trai
     assert engine == hf
     assert engine[0][0] != engine[1][0]  # two models, two sets of answers: each engine held its own
     assert len(set(engine[2][0])) > 3 and len(set("".join(engine[2][0]))) > 3, engine[2][0]  # not a degenerate repeat
+
+
+# --------------------------------------------------------------------------- the ranks' batches
+
+
+def test_rank_batches_do_not_depend_on_the_block_layout(ray_local):
+    """The same rows give every rank the same batches however Ray Data partitioned them: reruns train alike."""
+    import ray.data
+
+    from stages.common.training import rank_batches
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # as fit's DataConfig sets it
+    rows = [{"i": i} for i in range(50)]
+    collate = lambda b: [int(v) for v in b["i"]]  # noqa: E731
+    seen = {}
+    for blocks in (1, 7, 13):
+        ds = ray.data.from_items(rows, override_num_blocks=blocks)
+        seen[blocks] = [list(rank_batches(ds, 4, r, 3, collate)) for r in range(3)]
+    assert seen[1] == seen[7] == seen[13]
+    ranks = seen[1]
+    assert [len(r) for r in ranks] == [4, 4, 4]  # 50 rows, global batch 12: 4 full batches, the rest dropped
+    assert ranks[0][0] == [0, 1, 2, 3] and ranks[1][0] == [4, 5, 6, 7] and ranks[2][1] == [20, 21, 22, 23]
+
+
+def test_a_small_split_read_with_pyarrow_gives_every_rank_the_batches_ray_data_gives(ray_local, tmp_path):
+    """`ParquetSplit` (what workers read small splits with) against Ray Data over the same multi-file,
+    list-column split: the same collated batches for every rank, with and without a short last batch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data
+
+    from stages.common.training import ParquetSplit, pad, rank_batches
+
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # as fit's DataConfig sets it
+    split = tmp_path / "train"
+    split.mkdir()
+    for f, rows in enumerate((range(0, 9), range(9, 17), range(17, 23))):  # three files, uneven
+        pq.write_table(pa.table({"input_ids": [list(range(i % 5 + 1)) for i in rows], "n": list(rows)}),
+                       split / f"part-{f:03d}.parquet")
+
+    def collate(b):
+        ids, mask = pad(b["input_ids"], 0)
+        return ids.tolist(), mask.tolist(), [int(v) for v in b["n"]]
+
+    for drop_last in (True, False):
+        for rank in range(2):
+            direct = list(rank_batches(ParquetSplit(str(split)), 3, rank, 2, collate, drop_last=drop_last))
+            streamed = list(rank_batches(ray.data.read_parquet(str(split)), 3, rank, 2, collate, drop_last=drop_last))
+            assert direct == streamed and direct
+    every = [n for r in range(2) for b in rank_batches(ParquetSplit(str(split)), 3, r, 2, collate, drop_last=False)
+             for n in b[2]]
+    assert sorted(every) == list(range(23))  # without drop_last every row is read exactly once

@@ -151,6 +151,27 @@ def test_split_credentials_leaves_database_uris_and_plain_uris_alone():
         assert split_credentials(uri) == (uri, None, None)
 
 
+def test_what_mlflow_shows_has_the_passwords_of_uris_masked(tmp_path, tracking_uri):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import Tracker, redact
+
+    assert redact("http://alice:s3cret@mlflow.internal:5000") == "http://alice:***@mlflow.internal:5000"
+    assert redact({"a": ["s3://k:v@minio/b", "plain", 3]}) == {"a": ["s3://k:***@minio/b", "plain", 3]}
+    assert redact("http://mlflow:5000/path@x") == "http://mlflow:5000/path@x"  # no user info: unchanged
+    client = MlflowClient(tracking_uri)
+    exp = client.create_experiment(f"redact-{tmp_path.name}")
+    run_id = client.create_run(exp).info.run_id
+    from pipeline.tracking import log_params
+
+    log_params(client, run_id, {"storage.endpoint_url": "http://key:topsecret@minio:9000"})
+    Tracker.log_dict(type("T", (), {"client": client})(), run_id, {"uri": "https://u:topsecret@h/x"}, "cfg.json")
+    run = client.get_run(run_id)
+    assert run.data.params["storage.endpoint_url"] == "http://key:***@minio:9000"
+    logged = open(client.download_artifacts(run_id, "cfg.json")).read()
+    assert "topsecret" not in logged and "u:***@h" in logged
+
+
 # --------------------------------------------------------------------------- the config
 
 
@@ -241,6 +262,23 @@ def test_submit_ships_the_user_but_never_the_password(monkeypatch, tmp_path):
     assert submitted["runtime_env"]["env_vars"]["MLFLOW_TRACKING_USERNAME"] == USER
     assert "https://alice@mlflow.internal:5000" in submitted["files"]
     assert "MLFLOW_TRACKING_PASSWORD" in shown  # says where the job's driver takes the password from
+
+
+def test_job_package_leaves_uri_passwords_on_the_submitting_machine(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.jobs import stage_package
+    from pipeline.tracking import redacted_keys
+
+    # (the load exports the tracking credentials; the autouse `no_credentials` takes them back after)
+    cfg = smoke_config(tmp_path / "run", "mlflow.tracking_uri=https://alice:s3cret@mlflow.internal:5000",
+                       "storage.endpoint_url=http://key:t0psecret@minio:9000")
+    # The tracking password went to the environment at load; another URI's stays, to be dropped here.
+    assert redacted_keys(cfg.model_dump(mode="json")) == ["storage.endpoint_url"]
+    package = stage_package(cfg, "smoke.yaml", tmp_path / "pkg")
+    text = (package / "smoke.yaml").read_text()
+    assert "s3cret" not in text and "t0psecret" not in text
+    # The user stays; the password comes from the node's MLFLOW_TRACKING_PASSWORD, not a "***" mask.
+    assert load_config(package / "smoke.yaml").mlflow.tracking_uri == "https://alice@mlflow.internal:5000"
 
 
 @pytest.mark.slow
