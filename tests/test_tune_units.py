@@ -199,3 +199,49 @@ def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, trac
     assert (cfg.run_dir / "executions.log").read_text().split() == ["tune", "target"]  # nothing ran twice
     assert {p.spec.name: p.status for p in second["plan"]} == {"tune": "hit", "toy_target": "hit"}
     assert second["stages"]["toy_target"]["key"] == first["stages"]["toy_target"]["key"]
+
+
+TOY_TUNE_FROM_FILE = '''
+import json
+def run(cfg, ctx):
+    lr = float((ctx.pipeline.run_dir / "NEXT_LR").read_text())  # what this sweep "finds"
+    (ctx.out_dir / "best_config.json").write_text(json.dumps({"params": {"lr": lr}}))
+    return {"best_config": ctx.out_dir / "best_config.json"}
+'''
+
+
+def test_a_forced_sweep_that_finds_new_values_reruns_its_target_in_the_same_run(tmp_path, monkeypatch, tracking_uri):
+    """Planned, the target is a hit on the sweep's old values; the sweep reruns (--force tune) and finds
+    another value, so the runner keys the target again when it reaches it and trains on the new value."""
+    import sys
+
+    from rich.console import Console
+
+    from conftest import SMOKE
+    from pipeline.registry import StageSpec
+    from pipeline.runner import run_pipeline
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "toy_tune_file.py").write_text(TOY_TUNE_FROM_FILE)
+    (code / "toy_target.py").write_text(TOY_TARGET)
+    monkeypatch.syspath_prepend(str(code))
+    registry = (StageSpec("tune", "toy_tune_file", "stages.data", (), (), ("best_config",), "sweep"),
+                StageSpec("toy_target", "toy_target", "stages.sft", (), ("best_config",), ("target_out",), "target"))
+    cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}")
+    cfg.run_dir.mkdir(parents=True)
+
+    def lr_used(summary) -> str:
+        m = summary["stages"]["toy_target"]
+        return storage.output_paths(m, storage.artifact_dir(cfg.run_dir, "toy_target", m["key"]))["target_out"].read_text()
+
+    try:
+        (cfg.run_dir / "NEXT_LR").write_text("0.007")
+        assert lr_used(run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)) == "0.007"
+        (cfg.run_dir / "NEXT_LR").write_text("0.005")
+        again = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry, force=["tune"])
+    finally:
+        sys.modules.pop("toy_tune_file", None)
+        sys.modules.pop("toy_target", None)
+    assert {p.spec.name: p.status for p in again["plan"]} == {"tune": "miss", "toy_target": "miss"}
+    assert lr_used(again) == "0.005"
