@@ -153,24 +153,40 @@ def run(cfg, ctx):
 '''
 
 
-def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, tracking_uri):
-    """The target's key is unknown until the sweep has run: the runner plans it again, then runs it
-    with the sweep's value; a second run finds both cached."""
+@pytest.fixture
+def toy_sweep(tmp_path, monkeypatch):
+    """A registry of a toy sweep (its module's source given) and a toy use_tuned target; their modules
+    are forgotten afterwards."""
     import sys
 
-    from rich.console import Console
-
-    from conftest import SMOKE
     from pipeline.registry import StageSpec
-    from pipeline.runner import run_pipeline
 
     code = tmp_path / "code"
     code.mkdir()
-    (code / "toy_tune.py").write_text(TOY_TUNE)
-    (code / "toy_target.py").write_text(TOY_TARGET)
-    monkeypatch.syspath_prepend(str(code))
-    registry = (StageSpec("tune", "toy_tune", "stages.data", (), (), ("best_config",), "sweep"),
+    made = []
+
+    def registry(tune_source: str, tune_module: str = "toy_tune"):
+        for name, source in ((tune_module, tune_source), ("toy_target", TOY_TARGET)):
+            (code / f"{name}.py").write_text(source)
+            made.append(name)
+        monkeypatch.syspath_prepend(str(code))
+        return (StageSpec("tune", tune_module, "stages.data", (), (), ("best_config",), "sweep"),
                 StageSpec("toy_target", "toy_target", "stages.sft", (), ("best_config",), ("target_out",), "target"))
+
+    yield registry
+    for name in made:
+        sys.modules.pop(name, None)
+
+
+def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, tracking_uri, toy_sweep):
+    """The target's key is unknown until the sweep has run: the runner plans it again, then runs it
+    with the sweep's value; a second run finds both cached."""
+    from rich.console import Console
+
+    from conftest import SMOKE
+    from pipeline.runner import run_pipeline
+
+    registry = toy_sweep(TOY_TUNE)
     cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}")
     from collections import Counter
 
@@ -183,16 +199,12 @@ def test_a_sweep_and_its_use_tuned_target_in_one_run(tmp_path, monkeypatch, trac
         return components(cfg, spec, *args, **kwargs)
 
     monkeypatch.setattr(plan_mod, "components", counted_components)
-    try:
-        first = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
-        # Keyed when planned; the target once more when reached, its input (the sweep's values) known then.
-        assert keyed == {"tune": 1, "toy_target": 1}, keyed  # (planned pending: no components until reached)
-        keyed.clear()
-        second = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
-        assert keyed == {"tune": 1, "toy_target": 1}, keyed
-    finally:
-        sys.modules.pop("toy_tune", None)
-        sys.modules.pop("toy_target", None)
+    first = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+    # Planned pending (no components), keyed once when reached, its input (the sweep's values) known then.
+    assert keyed == {"tune": 1, "toy_target": 1}, keyed
+    keyed.clear()
+    second = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)
+    assert keyed == {"tune": 1, "toy_target": 1}, keyed
     out = storage.output_paths(first["stages"]["toy_target"], storage.artifact_dir(
         cfg.run_dir, "toy_target", first["stages"]["toy_target"]["key"]))["target_out"]
     assert out.read_text() == "0.007"  # smoke.yaml's sft lr is 0.003
@@ -210,24 +222,15 @@ def run(cfg, ctx):
 '''
 
 
-def test_a_forced_sweep_that_finds_new_values_reruns_its_target_in_the_same_run(tmp_path, monkeypatch, tracking_uri):
+def test_a_forced_sweep_that_finds_new_values_reruns_its_target_in_the_same_run(tmp_path, tracking_uri, toy_sweep):
     """Planned, the target is a hit on the sweep's old values; the sweep reruns (--force tune) and finds
     another value, so the runner keys the target again when it reaches it and trains on the new value."""
-    import sys
-
     from rich.console import Console
 
     from conftest import SMOKE
-    from pipeline.registry import StageSpec
     from pipeline.runner import run_pipeline
 
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "toy_tune_file.py").write_text(TOY_TUNE_FROM_FILE)
-    (code / "toy_target.py").write_text(TOY_TARGET)
-    monkeypatch.syspath_prepend(str(code))
-    registry = (StageSpec("tune", "toy_tune_file", "stages.data", (), (), ("best_config",), "sweep"),
-                StageSpec("toy_target", "toy_target", "stages.sft", (), ("best_config",), ("target_out",), "target"))
+    registry = toy_sweep(TOY_TUNE_FROM_FILE, "toy_tune_file")
     cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={tracking_uri}")
     cfg.run_dir.mkdir(parents=True)
 
@@ -235,13 +238,9 @@ def test_a_forced_sweep_that_finds_new_values_reruns_its_target_in_the_same_run(
         m = summary["stages"]["toy_target"]
         return storage.output_paths(m, storage.artifact_dir(cfg.run_dir, "toy_target", m["key"]))["target_out"].read_text()
 
-    try:
-        (cfg.run_dir / "NEXT_LR").write_text("0.007")
-        assert lr_used(run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)) == "0.007"
-        (cfg.run_dir / "NEXT_LR").write_text("0.005")
-        again = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry, force=["tune"])
-    finally:
-        sys.modules.pop("toy_tune_file", None)
-        sys.modules.pop("toy_target", None)
+    (cfg.run_dir / "NEXT_LR").write_text("0.007")
+    assert lr_used(run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)) == "0.007"
+    (cfg.run_dir / "NEXT_LR").write_text("0.005")
+    again = run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry, force=["tune"])
     assert {p.spec.name: p.status for p in again["plan"]} == {"tune": "miss", "toy_target": "miss"}
     assert lr_used(again) == "0.005"
