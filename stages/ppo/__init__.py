@@ -14,6 +14,7 @@ The driver is one loop, `run()`, reading top to bottom on one screen:
     sample prompts -> generate -> score -> reference/policy log-probs, values -> advantages
     -> PPO epochs (policy and critic) -> sync weights to the engines -> log -> checkpoint
 
+each step a named function after it (`_begin`, `_score`, `_train`, `_sync`, `_log`, `_checkpoint`),
 with set-up (`_start`: every role and engine starts at once), generation requests (`_request`
 launches, `_collect` waits; with `rollout.async` the next iteration's request is launched before
 this one trains, one-step off-policy, and `staleness` is checked and logged), the held-out
@@ -23,6 +24,8 @@ it. The scoring passes (reward model, reference, old policy, critic) are issued 
     __init__.py  this loop                        config.py   the typed config (PPOConfig)
     rl.py        the pure RL math (tested)        scoring.py  rewards, evaluation, sign test
     groups.py    ModelGroup: a model on N actors  worker.py   PPOWorker: one rank of a role
+    rewards.py   the rule reward and its workers  sandbox.py  code_tests' sandboxed Python
+    environments.py, episodes.py                  multi-turn rollouts with tools (AgentEngine)
 
 After every update the policy's full weights go into the object store once and every engine
 loads them from there (zero-copy on the same node), so rollouts always come from the current
