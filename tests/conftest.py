@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from helpers import cpu as _cpu  # tests/ is on the path: pytest puts a root conftest's folder there
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -22,6 +23,7 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
 # the rule a new feature's tests follow.
 BUDGET_S = {"full": 25 * 60, "fast": 4 * 60}  # `make test` and `make test-fast` on the 2-core machine kind
 _started = time.time()
+_cpu_before = _cpu.read()
 _module_s: dict[str, float] = defaultdict(float)
 
 
@@ -57,6 +59,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     verdict = "within" if wall <= budget else "OVER"
     terminalreporter.write_line(f"suite wall time: {wall:.0f}s ({wall / 60:.1f} min), {verdict} the {kind} suite's "
                                 f"budget of {budget // 60} min (docs/development.md)", bold=True)
+    after = _cpu.read()
+    if _cpu_before is not None and after is not None:  # whether running tests side by side could help
+        terminalreporter.write_line(_cpu.summary_line(wall, _cpu.busy_share(_cpu_before, after)))
 
 
 # --------------------------------------------------------------------------- unit modules use no Ray
