@@ -30,6 +30,9 @@ class StageSpec:
     ignores: tuple[str, ...] = ()
 
 
+# A training stage's fixed cost: stage start -> its first optimizer step (ppo: its first iteration), held-out
+# evaluations before it not counted (pipeline.events.StartupClock).
+STARTUP = "start-up {startup_s:.1f}s"
 PPO_OUTCOME = ("accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
                "(sign test p={eval_accuracy_sign_test_p:.3g})")
 
@@ -46,22 +49,22 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("sft", "stages.sft", "stages.sft", ("seed", "task.verifier"), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
               "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens",
               outcomes=("eval loss {eval_loss:.3f}",
-                        "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts")),
+                        "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts", STARTUP)),
     StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"), ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
-              outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}")),
+              outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}", STARTUP)),
     StageSpec("dpo", "stages.dpo", "stages.dpo", ("seed", "task.verifier"), ("base_model", "sft_model", "preference_data", "prompt_data"),
               ("dpo_model",), "Ray Train + DeepSpeed ZeRO: DPO / IPO / SimPO / KTO on the preference pairs, no reward model",
               outcomes=("implicit-reward accuracy {eval_reward_accuracy:.3f}",
                         "accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
-                        "(sign test p={eval_accuracy_sign_test_p:.3g})")),
+                        "(sign test p={eval_accuracy_sign_test_p:.3g})", STARTUP)),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
               outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})",
                         # the eval_every curve, first point -> last (a template whose metrics are missing is left out)
                         "curve accuracy {curve_accuracy_first:.3f} -> {curve_accuracy_last:.3f}",
                         "reward {curve_reward_first:.3f} -> {curve_reward_last:.3f}, "
-                        "length {curve_length_first:.1f} -> {curve_length_last:.1f}")),
+                        "length {curve_length_first:.1f} -> {curve_length_last:.1f}", STARTUP)),
     # serve registers in the tracking server's model registry: another registry is another result.
     # `tracking_uri` is PipelineConfig's, without the password: another password is the same registry.
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),

@@ -380,24 +380,32 @@ def train_loop(c: dict) -> None:
 
     from stages.common import lora, models, training
 
+    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
+    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = DPOConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
+    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    training.import_deepspeed()
+    clock.mark("imports")
     init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
     model = models.load_model(init, "causal")
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.lora:
         model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
-    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    clock.mark("model")
     engine = training.init_engine(model, c["ds_config"])
+    clock.mark("deepspeed")
     state = training.restore(engine)
+    clock.mark("restore")
     total, pad_id = c["total_steps"], c["pad_id"]
     collate_fn = partial(collate, pad_id=pad_id, kto=cfg.loss == "kto")
     trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
     evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, collate_fn, rank, world)
     reference = Reference(cfg.reference_kind(), engine, init)
+    clock.mark("reference")  # a frozen copy loaded (none for the other kinds)
     if reference.kind == "precomputed":
         if state.get("reference"):
             reference.load(state["reference"][rank])
@@ -405,11 +413,13 @@ def train_loop(c: dict) -> None:
             t0 = time.time()
             reference.precompute({"train": trains, "eval": evals}, log.print)
             log.log({"reference_precompute_s": time.time() - t0}, 0)
+        clock.mark("reference_precompute", counted=False)  # the steps' reference passes, done up front
     saved_reference = _gather_reference(reference, rank, world)
     if state["step"] == 0:
         first = _evaluate(engine, evals, reference, cfg)
         log.log(first, 0)
         log.step(0, total, first)
+        clock.mark("evaluation", counted=False)
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
     fault_armed = fault_at > state["step"]
     metrics: dict = {}
@@ -422,6 +432,7 @@ def train_loop(c: dict) -> None:
                 continue
             if engine.global_steps >= total:
                 break
+            training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
             t0 = time.time()
             ref = reference(batch, "train", micro - 1)
             t1 = time.time()
@@ -456,7 +467,7 @@ def train_loop(c: dict) -> None:
             if step == total:
                 metrics.update(training.peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+                training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
                 if fault_armed and step >= fault_at:
                     raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
             elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
@@ -498,6 +509,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     from stages.common.parquet import read_rows
     from stages.common.training import export, fit
 
+    clock = events.StartupClock()
     data = ctx.inputs["preference_data"]
     init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
     meta = json.loads((data / "meta.json").read_text())
@@ -515,7 +527,10 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
     tok = load_tokenizer(init)
+    clock.mark("driver")
     ctx.ray()
+    clock.mark("ray")
+    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     reference = cfg.reference_kind() or "none (reference-free)"
     ctx.progress(f"{cfg.loss} on {n_pairs} pairs: {steps} steps on {cfg.num_workers} workers (ZeRO-"
                  f"{cfg.deepspeed.zero_stage}, {'bf16' if bf16 else 'fp32'}, beta {cfg.beta:g}, reference "
@@ -523,7 +538,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name,
+        "run_id": ctx.run_id, "name": ctx.name, "startup": clock,
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"

@@ -225,10 +225,15 @@ def train_loop(c: dict) -> None:
 
     from stages.common import lora, models, training
 
+    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
+    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
+    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    training.import_deepspeed()
+    clock.mark("imports")
     init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
     model = models.load_model(init, "sequence", c["pad_id"], cfg.heads)
     if cfg.deepspeed.activation_checkpointing:
@@ -238,9 +243,11 @@ def train_loop(c: dict) -> None:
     head, captured = None, {}
     if cfg.lm_loss_weight > 0:  # after wrapping: LoRA replaces the score head by the copy it trains
         head, captured = lm_head_for(lora.base_of(model), init), capture_score_input(lora.base_of(model))
-    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    clock.mark("model")
     engine = training.init_engine(model, c["ds_config"])
+    clock.mark("deepspeed")
     state = training.restore(engine)
+    clock.mark("restore")
     total, pad_id = c["total_steps"], c["pad_id"]
     # This rank's batches of each split, read once and replayed (the same batches at every pass).
     collate_fn = partial(collate, pad_id=pad_id)
@@ -251,6 +258,7 @@ def train_loop(c: dict) -> None:
         first = _evaluate(engine, evals)
         log.log(first, 0)
         log.step(0, total, first)
+        clock.mark("evaluation", counted=False)
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
     fault_armed = fault_at > state["step"]
     metrics: dict = {}
@@ -263,6 +271,7 @@ def train_loop(c: dict) -> None:
                 continue
             if engine.global_steps >= total:
                 break
+            training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
             t0 = time.time()
             rc, rr = _rewards(engine, batch)
             weights = torch.tensor(bootstrap_weights(batch["pair_key"], cfg.heads, c["seed"]), dtype=rc.dtype,
@@ -291,7 +300,7 @@ def train_loop(c: dict) -> None:
             if step == total:
                 metrics.update(training.peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+                training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
                 if fault_armed and step >= fault_at:
                     raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
             elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
@@ -314,6 +323,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     from stages.common.training import export, fit
     from stages.common.lora import describe
 
+    clock = events.StartupClock()
     data = ctx.inputs["preference_data"]
     init = ctx.inputs["sft_model"] if cfg.init_from == "sft" else ctx.inputs["base_model"]
     meta = json.loads((data / "meta.json").read_text())
@@ -331,14 +341,17 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
     tok = load_tokenizer(init)
+    clock.mark("driver")
     ctx.ray()
+    clock.mark("ray")
+    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     heads = f", {cfg.heads} score heads on bootstrap resamples" if cfg.heads > 1 else ""
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
                  f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from}{describe(cfg.lora)}{heads})")
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name, "gold": ctx.pipeline.task.preference.gold,
+        "run_id": ctx.run_id, "name": ctx.name, "startup": clock, "gold": ctx.pipeline.task.preference.gold,
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"

@@ -116,21 +116,26 @@ def train_loop(c: dict) -> None:
 
     from stages.common import lora, models, training
 
+    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
+    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = SFTConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
+    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
+    training.import_deepspeed()
+    clock.mark("imports")
     base = c["storage"].localize(c["base"])  # a node without a shared run_dir pulls it from the object store
     model = models.load_model(base, "causal")
     if cfg.deepspeed.activation_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.lora:
         model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
-    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    t_start = time.time()
+    clock.mark("model")
     engine = training.init_engine(model, c["ds_config"])
+    clock.mark("deepspeed")
     state = training.restore(engine)
-    log.print(f"DeepSpeed engine ready in {time.time() - t_start:.1f}s (resuming at step {state['step']})")
+    clock.mark("restore")
     total, pad_id = c["total_steps"], c["pad_id"]
     # This rank's batches of each split, read once and replayed (the same batches at every pass).
     collate_fn = partial(collate, pad_id=pad_id)
@@ -140,6 +145,7 @@ def train_loop(c: dict) -> None:
         loss0 = _eval_loss(engine, evals)
         log.log({"eval_loss": loss0}, 0)
         log.step(0, total, {"eval_loss": loss0})
+        clock.mark("evaluation", counted=False)
     fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))  # fault drills and resume tests
     fault_armed = fault_at > state["step"]
     metrics: dict = {}
@@ -152,6 +158,7 @@ def train_loop(c: dict) -> None:
                 continue
             if engine.global_steps >= total:
                 break
+            training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
             t0 = time.time()
             loss = forward(engine, batch).loss
             engine.backward(loss)
@@ -172,7 +179,7 @@ def train_loop(c: dict) -> None:
             if step == total:
                 metrics.update(training.peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=True)
+                training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
                 if fault_armed and step >= fault_at:
                     raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
             elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
@@ -215,6 +222,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     from stages.common.parquet import read_rows
     from stages.common.training import export, fit
 
+    clock = events.StartupClock()
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
     n_train = json.loads((data / "meta.json").read_text())["rows"]["train"]
     steps = total_steps(n_train, cfg)
@@ -226,13 +234,16 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
     tok = load_tokenizer(base)
+    clock.mark("driver")
     ctx.ray()
+    clock.mark("ray")
+    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
                  f"{'bf16' if bf16 else 'fp32'}, {n_train} rows{describe(cfg.lora)})")
     result = fit(train_loop, {
         "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
         "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name,
+        "run_id": ctx.run_id, "name": ctx.name, "startup": clock,
     }, cfg, {"train": data / "train", "eval": data / "eval"},
         ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
     out = ctx.out_dir / "model"

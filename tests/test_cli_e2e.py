@@ -122,6 +122,37 @@ def test_run_then_cached_rerun_without_ray(finished_smoke):
     assert plan.stdout.count("hit") == 1 and plan.stdout.count("miss") == 5  # data and what follows it
 
 
+def test_each_training_stage_shows_and_records_its_start_up(finished_smoke):
+    """Stage start -> first optimizer step (ppo: first iteration): on the console with its parts, in the run
+    summary, in the manifest and on the stage's MLflow run."""
+    run_dir, first = finished_smoke
+    table = first.stdout[first.stdout.index("run summary"):]
+    client, runs = _runs(run_dir)
+    for stage, what, parts in (("sft", "first optimizer step", ("workers", "imports", "model", "deepspeed")),
+                               ("reward", "first optimizer step", ("workers", "imports", "model", "deepspeed")),
+                               ("ppo", "first iteration", ("ray", "roles", "engines"))):
+        line = next(x for x in first.stdout.splitlines() if f"{stage}: start-up " in x)
+        assert f"to the {what} (" in line and all(f"{p} " in line for p in parts), line
+        assert "start-up " in next(x for x in table.splitlines() if x.strip().startswith(f"{stage} "))
+        manifest = json.loads(next((run_dir / "artifacts" / stage).glob("*/manifest.json")).read_text())
+        metrics = manifest["metrics"]
+        assert 0 < metrics["startup_s"] <= manifest["duration_s"]
+        assert all(metrics[f"startup_{p}_s"] > 0 for p in parts)
+        stage_run = next(r for r in runs if r.info.run_name == stage)
+        assert stage_run.data.metrics["startup_s"] == pytest.approx(metrics["startup_s"])
+    sft = json.loads(next((run_dir / "artifacts" / "sft").glob("*/manifest.json")).read_text())["metrics"]
+    assert sft["startup_processes"] == 3  # Ray Train's controller and 2 workers
+    ppo = json.loads(next((run_dir / "artifacts" / "ppo").glob("*/manifest.json")).read_text())["metrics"]
+    assert ppo["startup_engine_imports_s"] > 0 and ppo["startup_policy_deepspeed_s"] > 0
+    # The parts add up to the start-up; held-out evaluation before the first iteration is work, not start-up:
+    # recorded, not counted.
+    counted = {"sft": ("driver", "ray", "workers", "imports", "model", "deepspeed", "restore", "data"),
+               "ppo": ("driver", "ray", "roles", "engines", "restore")}
+    for metrics, names in ((sft, counted["sft"]), (ppo, counted["ppo"])):
+        assert metrics["startup_s"] == pytest.approx(sum(metrics[f"startup_{n}_s"] for n in names), abs=0.05)
+    assert ppo["startup_evaluation_s"] > 0
+
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = ROOT / "tests" / "artifacts" / "mlflow-ui.png"  # kept after the run, for a person to look at
 

@@ -160,8 +160,11 @@ class RolloutEngine:
     """One vLLM engine in a Ray actor: generates token ids, loads synced weights."""
 
     def __init__(self, model_dir: str, spec: EngineSpec, index: int):
+        born = time.time()
         import torch
         from vllm import LLM
+
+        imported = time.time()
 
         if not spec.gpu:
             # One engine per logical CPU slot; let its matmuls use the cores Ray gave it.
@@ -180,6 +183,11 @@ class RolloutEngine:
             # budget (the held-out evaluation) failed. Whole prompts per step avoid the rewind.
             enable_chunked_prefill=spec.gpu,
         )
+        self.startup = {"born": born, "imports": imported - born, "engine": time.time() - imported}
+
+    def timings(self) -> dict[str, float]:
+        """This engine's start-up: `born` (a wall-clock time), then its imports and engine build in seconds."""
+        return self.startup
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict) -> list[list[dict]]:
         """For each prompt, `sampling['n']` samples: [{'ids': [...], 'finished': bool, 'version': int}, ...]

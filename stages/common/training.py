@@ -296,12 +296,31 @@ def EvalBatches(dataset, micro: int, collate_fn: Callable, rank: int = 0, world:
     return ReplayBatches(dataset, micro, collate_fn, rank, world, drop_last=False)
 
 
-def init_engine(model, ds_config: dict):
-    """DeepSpeed engine over Ray Train's already-initialised process group."""
+def import_deepspeed():
+    """Import DeepSpeed, its JIT-built ops looked for in the venv (`deepspeed.isolate_jit_builds`)."""
     from stages.common.deepspeed import isolate_jit_builds
 
     isolate_jit_builds()
     import deepspeed
+
+    return deepspeed
+
+
+def first_step(clock, log) -> None:
+    """At each optimizer step's start: the first one ends the stage's start-up (`events.StartupClock`),
+    which rank 0 shows on the console and logs to MLflow at step 0. Reading the first batch is its
+    last part (`data`)."""
+    if clock.total is not None:
+        return
+    clock.mark("data")
+    clock.done()
+    log.log(clock.metrics(), 0)
+    log.print(clock.line("first optimizer step"))
+
+
+def init_engine(model, ds_config: dict):
+    """DeepSpeed engine over Ray Train's already-initialised process group."""
+    deepspeed = import_deepspeed()
 
     from stages.common.deepspeed import safe_checkpoint_loads
 

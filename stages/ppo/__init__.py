@@ -145,9 +145,10 @@ def _start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, tra
     return group, group.run("setup", spec)
 
 
-def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
+def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
     """Read the prompts, then start the roles (policy, reference, critic for PPO, reward model when
-    it is weighted) and the vLLM engines; the roles load their models while the engines start."""
+    it is weighted) and the vLLM engines; the roles load their models while the engines start.
+    `clock` (events.StartupClock) gets the parts: driver, ray, processes, roles and engines."""
     import ray
 
     from stages.common.deepspeed import use_gpu
@@ -166,12 +167,14 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
     rule = rule_reward(cfg.rewards.rule, ctx.pipeline.task.verifier, cfg.rewards, ctx.progress)
+    clock.mark("driver")
     # Loading the tokenizer (importing transformers, ~4 s of CPU) overlaps Ray's start-up, which mostly
     # waits on the daemons it spawns. ctx.ray() stays on the main thread (it installs a signal handler).
     with ThreadPoolExecutor(1) as loader:
         tok = loader.submit(load_tokenizer, sft)
         ctx.ray()
         s = _Session(tok.result(), rule, train_rows, eval_rows, verify=verifier_function(ctx.pipeline.task.verifier))
+    clock.mark("ray")  # the tokenizer loaded meanwhile
     if ctx.pipeline.task.preference.gold:
         from stages.common.tasks import gold_function
 
@@ -207,6 +210,7 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
         roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
         # Everything starts at once (roles and engines load their models concurrently): nothing blocks
         # until every placement group is requested and every actor created.
+        requested = time.time()
         s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
                             **({"engine_cls": _agent_engine()} if s.episode else {}))
         pending = {}
@@ -217,12 +221,31 @@ def _start(cfg: PPOConfig, ctx: StageContext) -> _Session:
         ray.get([g.pg.ready() for g in s.groups.values()], timeout=300)  # a clear error if resources never come
         ray.get([r for g in s.groups.values() for r in g.ready_refs])  # process groups joined
         params = {name: ray.get(refs)[0] for name, refs in pending.items()}  # models loaded
+        clock.mark("roles")
         s.pool.ready()
+        clock.mark("engines")  # what the engines took beyond the roles (they started together)
+        _startup_details(s, clock, requested)
     except BaseException:
         s.close()
         raise
     ctx.progress("ready: " + ", ".join(f"{k} {v / 1e6:.2f}M params" for k, v in params.items()))
     return s
+
+
+def _startup_details(s: _Session, clock, requested: float) -> None:
+    """Where the roles' and engines' start went, slowest actor of each kind (they run side by side, so these
+    overlap and are details, not parts): its process start (requested -> constructor), then what each
+    reported (imports, model load, DeepSpeed or vLLM initialisation)."""
+    import ray
+
+    actors = {name: g.actors for name, g in s.groups.items()} | {"engine": s.pool.engines}
+    clock.processes = sum(len(group) for group in actors.values())
+    timings = {name: ray.get([a.timings.remote() for a in group]) for name, group in actors.items()}
+    for name, ranks in timings.items():
+        clock.detail(f"{name}_process", max(t["born"] for t in ranks) - requested)
+        for part in ranks[0]:
+            if part != "born":
+                clock.detail(f"{name}_{part}", max(t.get(part, 0.0) for t in ranks))
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -495,14 +518,19 @@ def configured_code(cfg: PPOConfig) -> list[str]:
 
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model."""
-    t_stage = time.time()
-    s = _start(cfg, ctx)
+    from pipeline.events import StartupClock
+
+    clock = StartupClock()  # stage start -> the first iteration, and where it went
+    s = _start(cfg, ctx, clock)
     try:
-        loop = _begin(s, cfg, ctx, t_stage)  # the SFT policy's held-out answers, a resumed run's state
+        loop = _begin(s, cfg, ctx, clock)  # the SFT policy's held-out answers, a resumed run's state
         nxt = _request(s, cfg, loop.seed, loop.start, loop.fault_at)
         for it in range(loop.start, cfg.iterations):
             if cfg.eval_every and it % cfg.eval_every == 0:  # the over-optimisation curve, before update `it`
                 _curve_point(s, cfg, loop.ref, loop.ref_call, it, loop.trend, ctx)
+            if it == loop.start:  # start-up ends: shown, and logged with the first iteration's metrics
+                clock.mark("evaluation", counted=False)
+                ctx.progress(clock.line("first iteration"))
             t_iter = time.time()
             # 1.-2. sample prompts and generate. Synchronous: each iteration's rollouts come from the weights of
             # the update before it. `rollout.async`: iteration it+1's are launched before iteration it trains, so
@@ -521,7 +549,7 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             _checkpoint(s, cfg, ctx, loop, it)  # 9.
         if cfg.eval_every and cfg.iterations % cfg.eval_every == 0:  # the curve's last point: the trained policy
             _curve_point(s, cfg, loop.ref, loop.ref_call, cfg.iterations, loop.trend, ctx)
-        out, final = _finish(s, cfg, ctx, loop.before, loop.metrics, loop.trend)
+        out, final = _finish(s, cfg, ctx, loop.before, loop.metrics | clock.metrics(), loop.trend)
         ctx.log_metrics(final, step=cfg.iterations)
         return {"policy_model": out}
     finally:
@@ -546,7 +574,7 @@ class _Loop:
     seed: int
     fault_at: int  # fault drills and tests: kill engine 0 at this iteration
     fault_after: int  # ... raise after the checkpoint of this one
-    startup_s: float  # stage start -> roles and engines ready (not the evaluation)
+    clock: Any  # events.StartupClock: stage start -> the first iteration
     metrics: dict = field(default_factory=dict)  # the last iteration's
 
 
@@ -570,30 +598,29 @@ class _Scored:
     score_s: float
 
 
-def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, t_stage: float) -> _Loop:
+def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
     """The SFT policy on the held-out prompts (with a gold preference, each sampled answer's gold
     score too), then the KL controller and the state of a resumed run."""
     from stages.ppo import rl
     from stages.ppo.scoring import evaluate
 
-    t_ready = time.time()
     policy, ref = s.role("policy"), s.role("reference")
     # A LoRA policy is its own reference (adapter off), a colocated one sits in the policy ranks; otherwise
     # the reference role's ranks.
     ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
     before = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
                       s.episode) if s.eval_rows else None
+    clock.mark("evaluation", counted=False)  # held-out work the config asks for, not start-up
     kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
-    t0 = time.time()
     start, trend = _resume(s, ctx, kl_ctl)
+    clock.mark("restore")
     hp = {"epochs": cfg.ppo_epochs, "micro": cfg.micro_batch_size, "clip_eps": cfg.clip_eps,
           "entropy_coef": cfg.entropy_coef, "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
           "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.response_tokens()}
     ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
     return _Loop(ref, ref_call, hp, kl_ctl, start, trend, before, ctx.pipeline.seed,
                  int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1")),
-                 int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0")),
-                 t_ready - t_stage + time.time() - t0)
+                 int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0")), clock)
 
 
 def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) -> _Scored:
@@ -688,7 +715,7 @@ def _log(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, s
         **episode_stats(sc.flat),  # with an environment: turns, tool calls, errors and time
         **trained, "generate_s": sc.wait_s, "score_s": sc.score_s, **synced, "staleness": sc.staleness,
         "gen_tokens_per_s": gen_tokens / max(sc.gen_span, 1e-9), "iteration_s": time.time() - t_iter,
-        "engine_restarts": s.pool.restarts, **sc.mismatch, **({"startup_s": loop.startup_s} if it == loop.start else {}),
+        "engine_restarts": s.pool.restarts, **sc.mismatch, **(loop.clock.metrics() if it == loop.start else {}),
         **({"rm_score_mean": sum(rm) / len(rm)} if rm else {}),
         **({"rm_spread_mean": sum(spread) / len(spread)} if spread else {}),  # heads' disagreement
         **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(sc.texts, sc.rows)) / n} if s.gold else {}),

@@ -28,8 +28,15 @@ class Workhorse:
     """Base of a rank actor: joins the group's process group. Subclasses add the model's methods."""
 
     def __init__(self, group: str, rank: int, world: int, env: dict[str, str]):
+        import time
+
         os.environ.update(env)  # e.g. DS_ACCELERATOR=cpu, read when deepspeed is imported
         self.group, self.rank, self.world = group, rank, world
+        self.startup = {"born": time.time()}  # when this process reached its constructor; subclasses add parts
+
+    def timings(self) -> dict[str, float]:
+        """This rank's start-up: `born` (a wall-clock time) and the seconds of each part since."""
+        return self.startup
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port: rank 0 hosts the group's rendezvous."""

@@ -66,12 +66,15 @@ class PPOWorker(Workhorse):
         pull the model from and push checkpoints to)."""
         from stages.common.deepspeed import isolate_jit_builds, safe_checkpoint_loads
 
+        t0 = time.time()
         isolate_jit_builds()
         import deepspeed
         import torch
 
         from stages.common import lora
         from stages.common.models import count_parameters, load_model, load_tokenizer, saved_heads, single_head
+
+        t1 = time.time()
 
         torch.manual_seed(spec["seed"] + self.rank)
         self.storage = spec["storage"]
@@ -95,6 +98,7 @@ class PPOWorker(Workhorse):
         self.reference = None  # reference.colocate: a frozen copy of the SFT policy beside the trained one
         if spec.get("reference_dir"):
             self.reference = load_model(spec["reference_dir"], "causal", None).requires_grad_(False).eval()
+        t2 = time.time()
         if spec["trainable"]:
             trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec["ds_config"])
@@ -103,6 +107,7 @@ class PPOWorker(Workhorse):
             self.engine, *_ = deepspeed.initialize(model=model, config=spec["ds_config"])
             self.engine.eval()
         safe_checkpoint_loads(self.engine)
+        self.startup.update(imports=t1 - t0, model=t2 - t1, deepspeed=time.time() - t2)
         return count_parameters(model)
 
     # --------------------------------------------------------------- rollouts
