@@ -376,18 +376,21 @@ def _gather_reference(reference: Reference, rank: int, world: int) -> list | Non
 
 def train_loop(c: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, resume, reference, train, eval, checkpoint."""
+    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
+    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
+    from stages.common import startup
+
+    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
     import torch
 
     from stages.common import lora, models, training
 
-    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
-    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = DPOConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
     log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    training.import_deepspeed()
+    startup.import_deepspeed()  # lean: without the optional imports no rank uses
     clock.mark("imports")
     init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
     model = models.load_model(init, "causal")
@@ -505,9 +508,8 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out task accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.lora import describe
-    from stages.common.models import load_tokenizer
     from stages.common.parquet import read_rows
-    from stages.common.training import export, fit
+    from stages.common.training import export, fit, tokenizer_and_ray
 
     clock = events.StartupClock()
     data = ctx.inputs["preference_data"]
@@ -526,10 +528,9 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
-    tok = load_tokenizer(init)
     clock.mark("driver")
-    ctx.ray()
-    clock.mark("ray")
+    tok = tokenizer_and_ray(init, ctx)
+    clock.mark("ray")  # the tokenizer loaded meanwhile
     clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     reference = cfg.reference_kind() or "none (reference-free)"
     ctx.progress(f"{cfg.loss} on {n_pairs} pairs: {steps} steps on {cfg.num_workers} workers (ZeRO-"

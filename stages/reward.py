@@ -221,18 +221,21 @@ def _evaluate(engine, batches) -> dict[str, float]:
 
 def train_loop(c: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
+    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
+    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
+    from stages.common import startup
+
+    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
     import torch
 
     from stages.common import lora, models, training
 
-    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
-    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = RewardConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
     log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    training.import_deepspeed()
+    startup.import_deepspeed()  # lean: without the optional imports no rank uses
     clock.mark("imports")
     init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
     model = models.load_model(init, "sequence", c["pad_id"], cfg.heads)
@@ -319,8 +322,7 @@ def train_loop(c: dict) -> None:
 def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer and export the HF sequence-classification model."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
-    from stages.common.models import load_tokenizer
-    from stages.common.training import export, fit
+    from stages.common.training import export, fit, tokenizer_and_ray
     from stages.common.lora import describe
 
     clock = events.StartupClock()
@@ -340,10 +342,9 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
-    tok = load_tokenizer(init)
     clock.mark("driver")
-    ctx.ray()
-    clock.mark("ray")
+    tok = tokenizer_and_ray(init, ctx)
+    clock.mark("ray")  # the tokenizer loaded meanwhile
     clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     heads = f", {cfg.heads} score heads on bootstrap resamples" if cfg.heads > 1 else ""
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "

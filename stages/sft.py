@@ -112,18 +112,21 @@ def _eval_loss(engine, batches) -> float:
 
 def train_loop(c: dict) -> None:
     """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
+    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
+    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
+    from stages.common import startup
+
+    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
     import torch
 
     from stages.common import lora, models, training
 
-    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
-    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     rank, world = training.worker_rank()
     training.set_threads(world)
     cfg = SFTConfig.model_validate(c["cfg"])
     torch.manual_seed(c["seed"])
     log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    training.import_deepspeed()
+    startup.import_deepspeed()  # lean: without the optional imports no rank uses
     clock.mark("imports")
     base = c["storage"].localize(c["base"])  # a node without a shared run_dir pulls it from the object store
     model = models.load_model(base, "causal")
@@ -218,9 +221,9 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
     from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
     from stages.common.lora import describe
-    from stages.common.models import greedy_accuracy, load_tokenizer, verified_share
+    from stages.common.models import greedy_accuracy, verified_share
     from stages.common.parquet import read_rows
-    from stages.common.training import export, fit
+    from stages.common.training import export, fit, tokenizer_and_ray
 
     clock = events.StartupClock()
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
@@ -233,10 +236,9 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
-    tok = load_tokenizer(base)
     clock.mark("driver")
-    ctx.ray()
-    clock.mark("ray")
+    tok = tokenizer_and_ray(base, ctx)
+    clock.mark("ray")  # the tokenizer loaded meanwhile
     clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
                  f"{'bf16' if bf16 else 'fp32'}, {n_train} rows{describe(cfg.lora)})")

@@ -55,3 +55,55 @@ def test_metrics_name_every_part_and_detail_and_the_clock_travels_to_workers(mon
 def test_every_training_stage_shows_its_start_up_in_the_run_summary():
     shown = {spec.name: outcomes.describe(spec.outcomes, {"startup_s": 12.34}) for spec in STAGES}
     assert {name for name, line in shown.items() if line == "start-up 12.3s"} == {"sft", "reward", "dpo", "ppo"}
+
+
+class _LocalStorage:
+    """What a PPO rank asks of the run's storage at set-up, on one machine."""
+
+    @staticmethod
+    def localize(path):
+        return path
+
+
+def test_a_frozen_role_without_zero3_is_a_plain_module_with_the_models_own_log_probs(tmp_path):
+    """The reference (or reward) role skips DeepSpeed unless ZeRO-3 shards it: same forward passes, no engine."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages.ppo.rl import logprobs_from_logits, make_batch
+    from stages.ppo.worker import PPOWorker
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    model.save_pretrained(tmp_path)
+    worker = PPOWorker("reference", 0, 1, {})
+    worker.setup({"role": "reference", "kind": "causal", "model_dir": str(tmp_path), "trainable": False, "pad_id": 0,
+                  "seed": 0, "storage": _LocalStorage(), "ds_config": {"zero_optimization": {"stage": 2},
+                                                                      "train_micro_batch_size_per_gpu": 2}})
+    assert type(worker.engine) is LlamaForCausalLM and not worker.engine.training
+    assert not any(p.requires_grad for p in worker.engine.parameters())
+    assert worker.timings()["deepspeed"] < 1.0 and worker.timings()["born"] > 0  # no engine was built
+    batch = make_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_id=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, 2:5]
+    expected = logprobs_from_logits(logits, batch["response_ids"])
+    assert torch.allclose(worker.logprobs(batch, micro=1), expected, atol=1e-6)
+
+
+@pytest.mark.slow  # a fresh interpreter importing DeepSpeed and transformers: ~8 s
+def test_a_worker_imports_neither_scikit_learn_nor_mlflow_and_mlflow_stays_importable():
+    import subprocess
+    import sys
+
+    code = ("import sys; from stages.common.startup import import_deepspeed, lean_imports\n"
+            "lean_imports(); import_deepspeed()\n"
+            "from transformers import LlamaForCausalLM; import transformers.generation\n"
+            "print(sorted(m for m in ('sklearn', 'mlflow') if m in sys.modules))\n"
+            "import mlflow; print(mlflow.__name__)\n")
+    env = {"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=__import__("pathlib").Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "mlflow"], out.stdout

@@ -161,6 +161,9 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str, spec: EngineSpec, index: int):
         born = time.time()
+        from stages.common.startup import lean_imports
+
+        lean_imports()  # before vLLM loads transformers (stages/common/startup.py)
         import torch
         from vllm import LLM
 

@@ -88,6 +88,20 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
     return trainer.fit()
 
 
+def tokenizer_and_ray(model_dir: Path, ctx):
+    """The tokenizer of `model_dir`, loaded while Ray starts (`ctx.ray()`, which stays on the main thread:
+    it installs a signal handler): importing transformers is seconds of CPU, and Ray's start-up mostly waits
+    on the daemons it spawns, so the two overlap instead of adding up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from stages.common.models import load_tokenizer
+
+    with ThreadPoolExecutor(1) as loader:
+        tok = loader.submit(load_tokenizer, model_dir)
+        ctx.ray()
+        return tok.result()
+
+
 def export(result, out: Path, tokenizer, base: Path | None = None, kind: str = "causal",
            num_labels: int = 1) -> dict[str, float]:
     """The final checkpoint's model (+ tokenizer) as an HF directory at `out`; return the final metrics.
@@ -296,16 +310,6 @@ def EvalBatches(dataset, micro: int, collate_fn: Callable, rank: int = 0, world:
     return ReplayBatches(dataset, micro, collate_fn, rank, world, drop_last=False)
 
 
-def import_deepspeed():
-    """Import DeepSpeed, its JIT-built ops looked for in the venv (`deepspeed.isolate_jit_builds`)."""
-    from stages.common.deepspeed import isolate_jit_builds
-
-    isolate_jit_builds()
-    import deepspeed
-
-    return deepspeed
-
-
 def first_step(clock, log) -> None:
     """At each optimizer step's start: the first one ends the stage's start-up (`events.StartupClock`),
     which rank 0 shows on the console and logs to MLflow at step 0. Reading the first batch is its
@@ -320,6 +324,8 @@ def first_step(clock, log) -> None:
 
 def init_engine(model, ds_config: dict):
     """DeepSpeed engine over Ray Train's already-initialised process group."""
+    from stages.common.startup import import_deepspeed
+
     deepspeed = import_deepspeed()
 
     from stages.common.deepspeed import safe_checkpoint_loads

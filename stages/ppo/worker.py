@@ -64,11 +64,15 @@ class PPOWorker(Workhorse):
         """spec: role, kind ('causal' | 'value' | 'reward'), model_dir, ds_config, trainable, pad_id, seed,
         lora (a `LoraSection` dict, or None: full fine-tuning), and storage (the run's `RunStorage`: where to
         pull the model from and push checkpoints to)."""
-        from stages.common.deepspeed import isolate_jit_builds, safe_checkpoint_loads
+        from stages.common.deepspeed import safe_checkpoint_loads
+        from stages.common.startup import import_deepspeed, lean_imports
 
         t0 = time.time()
-        isolate_jit_builds()
-        import deepspeed
+        # A frozen role that ZeRO-3 does not shard (reward model, reference of its own) needs no DeepSpeed: a plain
+        # module in eval mode computes the same forward passes without DeepSpeed's import and engine build.
+        plain = not spec["trainable"] and spec["ds_config"].get("zero_optimization", {}).get("stage", 0) < 3
+        deepspeed = None if plain else import_deepspeed()  # lean: without the optional imports no rank uses
+        lean_imports()
         import torch
 
         from stages.common import lora
@@ -102,11 +106,15 @@ class PPOWorker(Workhorse):
         if spec["trainable"]:
             trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec["ds_config"])
+        elif plain:
+            bf16 = spec["ds_config"].get("bf16", {}).get("enabled", False)  # what DeepSpeed would have cast it to
+            self.engine = model.requires_grad_(False).to(torch.bfloat16 if bf16 else model.dtype).eval()
         else:
             model.requires_grad_(False)
             self.engine, *_ = deepspeed.initialize(model=model, config=spec["ds_config"])
             self.engine.eval()
-        safe_checkpoint_loads(self.engine)
+        if not plain:
+            safe_checkpoint_loads(self.engine)
         self.startup.update(imports=t1 - t0, model=t2 - t1, deepspeed=time.time() - t2)
         return count_parameters(model)
 
