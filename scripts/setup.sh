@@ -77,5 +77,12 @@ for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load(verbose=False)
 " >/dev/null || { echo "setup: DeepSpeed's CPU ops did not build (is a C++ compiler installed?)" >&2; exit 1; }
 fi
+# vLLM inspects a model architecture in a child process (a whole second vLLM import, 15-20 s on 2 cores) the first
+# time an engine meets it, then caches what it found under ~/.cache/vllm/modelinfos. Do it now for the built-in
+# model's architecture, so the first run's first engine (ppo, serve, vLLM evaluation) does not pay it.
+"$VENV/bin/python" -c "
+from vllm.model_executor.models.registry import ModelRegistry
+ModelRegistry.models['LlamaForCausalLM'].inspect_model_cls()
+" >/dev/null 2>&1 || echo "setup: vLLM's model-info cache not warmed (the first engine start pays it)"
 echo "$want" > "$STAMP"
 echo "setup: done ($EXTRA)"
