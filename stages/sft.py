@@ -139,6 +139,7 @@ def train_loop(c: dict) -> None:
     clock.mark("deepspeed")
     state = training.restore(engine)
     clock.mark("restore")
+    log.print(f"DeepSpeed engine ready in {clock.parts['deepspeed']:.1f}s (resuming at step {state['step']})")
     total, pad_id = c["total_steps"], c["pad_id"]
     # This rank's batches of each split, read once and replayed (the same batches at every pass).
     collate_fn = partial(collate, pad_id=pad_id)
