@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.errors import UserError
+from pipeline.errors import StageError, UserError
 from pipeline.reports import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_USER, json_summary, print_outcomes,
                               print_plan)
 
@@ -212,7 +212,8 @@ def _main(args, console, err, state: dict) -> tuple[int, str | None]:
     except Exception as exc:  # a stage (or the code) failed: show where, exit 1
         import traceback
 
-        traceback.print_exc(file=sys.stderr)
+        if not isinstance(exc, StageError):  # a StageError's message says everything; a traceback would bury it
+            traceback.print_exc(file=sys.stderr)
         stage = state["summary"].get("running")
         message = f"stage '{stage}' failed: {type(exc).__name__}: {exc}" if stage else f"{type(exc).__name__}: {exc}"
         err.print(f"[bold red]failed:[/] {escape(message)}")

@@ -1,4 +1,4 @@
-"""User-facing errors: the CLI prints their message (no traceback) and exits with code 2."""
+"""User-facing errors: the CLI prints their message (no traceback) and exits with code 2 (a StageError: 1)."""
 
 
 class UserError(Exception):
@@ -19,3 +19,8 @@ class LockError(UserError):
 
 class StorageError(UserError):
     """The object store could not be used (auth, network, throttling): never taken as "not there"."""
+
+
+class StageError(Exception):
+    """A stage stopped on purpose, with a message that says everything (the user's reward function failing on
+    most calls): the CLI prints it without a traceback and exits 1, as for any failed stage."""

@@ -64,7 +64,10 @@ STAGES: tuple[StageSpec, ...] = (
                         # the eval_every curve, first point -> last (a template whose metrics are missing is left out)
                         "curve accuracy {curve_accuracy_first:.3f} -> {curve_accuracy_last:.3f}",
                         "reward {curve_reward_first:.3f} -> {curve_reward_last:.3f}, "
-                        "length {curve_length_first:.1f} -> {curve_length_last:.1f}", STARTUP)),
+                        "length {curve_length_first:.1f} -> {curve_length_last:.1f}", STARTUP,
+                        # failed calls of the user's code (shown only when there were any: the metrics exist then)
+                        "reward errors {rule_errors_total:.0f}", "reward timeouts {rule_timeouts_total:.0f}",
+                        "environment errors {env_errors_total:.0f}")),
     # serve registers in the tracking server's model registry: another registry is another result.
     # `tracking_uri` is PipelineConfig's, without the password: another password is the same registry.
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),

@@ -102,7 +102,8 @@ def test_prompt_rows_keep_extra_columns_and_map_theirs():
     assert err == "" and good["answer"] == "42" and good["extra"] == {"tests": ["assert f(1) == 2"], "level": 3}
     good, _ = check_row("prompts", {"question": "Capital of France?", "final": "Paris"},
                         columns={"prompt": "question", "answer": "final"})
-    assert (good["prompt"], good["answer"], "extra" in good) == ("Capital of France?", "Paris", False)
+    assert (good["prompt"], good["answer"]) == ("Capital of France?", "Paris")
+    assert good["extra"] == {"question": "Capital of France?", "final": "Paris"}  # and under the user's own names
     assert classify_row("prompts", {"prompt": "  "})[1] == "empty_field"
     assert check_row("prompts", {"prompt": "What is 2 + 3?", "group": "2 + 3"})[0]["group"] == "2 + 3"
 

@@ -100,3 +100,124 @@ def test_code_tests_scores_mbpp_rows_in_the_sandbox_within_the_timeout(ray_local
         assert reward.counts() == {"rule_timeouts": 0, "rule_errors": 0}
     finally:
         reward.close()
+
+
+# --------------------------------------------------------------------------- issue 48: the user's code fails loudly
+
+
+def test_a_reward_must_be_a_finite_number():
+    """nan, inf and strings float() would read ("nan", "1e999") are errors, not scores: one NaN turns a GRPO
+    group's advantages into NaN."""
+    import numpy as np
+
+    from stages.ppo.rewards import finite_score
+
+    for bad in (float("nan"), float("inf"), -float("inf"), "nan", "1e999", "0.5", None, [1.0], np.float64("nan")):
+        with pytest.raises(ValueError, match="finite number"):
+            finite_score(bad)
+    assert [finite_score(x) for x in (1, 0.25, True, np.float32(0.5), np.array(2.0))] == [1.0, 0.25, 1.0, 0.5, 2.0]
+
+
+def test_an_environments_non_finite_reward_is_its_error():
+    from stages.ppo.environments import Step, as_step
+
+    for bad in (([], float("nan"), False), ([], "nan", True), Step([], float("inf"))):
+        with pytest.raises(ValueError, match="Step.reward must be a finite number"):
+            as_step(bad)
+    assert as_step(([], None, True)) == Step([], 0.0, True)
+
+
+def test_the_error_budget_stops_past_its_share_and_on_a_first_batch_that_all_fails():
+    from pipeline.errors import StageError
+    from stages.ppo.rewards import ErrorBudget, over_budget
+
+    assert not over_budget(4, 8, 0.5, first=True) and over_budget(5, 8, 0.5, first=False)
+    assert over_budget(8, 8, 1.0, first=True) and not over_budget(8, 8, 1.0, first=False)
+    assert not over_budget(0, 8, 0.0, first=True)
+    budget = ErrorBudget("the rule reward my:f", 0.5)
+    budget.check(1, 8, "", None)
+    with pytest.raises(StageError) as exc:
+        budget.check(6, 8, "Traceback...\nKeyError: 'solution'", {"prompt": "What is 2+2?", "answer": "4"})
+    message = str(exc.value)
+    for part in ("the rule reward my:f", "6 of 8", "KeyError: 'solution'", "What is 2+2?", "answer, prompt",
+                 "stages.ppo.rewards.max_error_share"):
+        assert part in message
+
+
+def test_a_mapped_column_reaches_the_reward_under_the_users_name_too():
+    """`columns: {prompt: question, answer: solution}`: the reward's row has `solution` as well as `answer`, and
+    a function naming `solution` gets it by keyword (TRL's convention)."""
+    from stages.data.formats import check_row
+
+    good, reason = check_row("prompts", {"question": "What is 2+2?", "solution": "4", "level": 1}, "auto",
+                             {"prompt": "question", "answer": "solution"})
+    assert reason == "" and good["answer"] == "4"
+    stored = {"prompt": good["prompt"], "answer": good["answer"], "extra": json.dumps(good["extra"])}
+    row = row_of(stored)
+    assert row["solution"] == "4" and row["question"] == "What is 2+2?" and row["answer"] == "4" and row["level"] == 1
+    assert bind(lambda response, solution: float(response == solution))("q", "4", row) == 1.0
+
+
+def test_a_reward_that_always_raises_stops_the_stage_naming_it(ray_local, tmp_path, monkeypatch):
+    """The reproduction of issue 48: a reward reading a column the config renamed raised on every call and a
+    run trained on zeros. Now the first batch stops the stage with the function, the exception, a row and the
+    key to raise; a NaN-returning reward counts as failing too; a few failures are counted, not fatal."""
+    from pipeline.errors import StageError
+
+    (tmp_path / "user_rewards.py").write_text(
+        "def reads_solution(response, row):\n    return float(response == row['solution'])\n"
+        "def nan_sometimes(response):\n    return float('nan') if response == 'x' else 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(4)]
+    broken = RuleReward("user_rewards:reads_solution", workers=2, log=lambda _: None)
+    flaky = RuleReward("user_rewards:nan_sometimes", workers=2, log=lambda _: None)
+    try:
+        with pytest.raises(StageError) as exc:
+            broken.scores(["2", "4", "6", "8"], rows)
+        for part in ("user_rewards:reads_solution", "4 of 4", "KeyError: 'solution'", "What is 0+0?",
+                     "stages.ppo.rewards.max_error_share"):
+            assert part in str(exc.value)
+        assert flaky.scores(["x", "y", "y", "y"], rows) == [0.0, 1.0, 1.0, 1.0]  # 1 of 4: counted, goes on
+        assert flaky.counts() == {"rule_timeouts": 0, "rule_errors": 1}
+        assert flaky.totals() == {"rule_errors_total": 1}
+        with pytest.raises(StageError, match="3 of 4"):
+            flaky.scores(["x", "x", "x", "y"], rows)
+    finally:
+        broken.close()
+        flaky.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_holds_while_the_call_holds_the_interpreter(ray_local, tmp_path, monkeypatch):
+    """A regex in catastrophic backtracking holds the GIL: no thread in the worker can time it out (it returned
+    after 25 s against a 1 s timeout, and `(a+)+$` on 40 a's never would). The driver kills the worker at the
+    deadline and a fresh one scores the next batch."""
+    (tmp_path / "stuck_rewards.py").write_text(
+        "import re\n"
+        "def backtrack(response):\n"
+        "    if response == 'stuck':\n        re.match(r'(a+)+$', 'a' * 40 + 'b')\n"
+        "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": "q", "answer": ""}] * 4
+    reward = RuleReward("stuck_rewards:backtrack", workers=2, timeout_s=1.0, timeout_score=-1.0, log=lambda _: None)
+    try:
+        assert reward.scores(["ok", "stuck", "ok", "ok"], rows) == [1.0, -1.0, 1.0, 1.0]
+        assert reward.counts() == {"rule_timeouts": 1, "rule_errors": 0}
+        assert reward.scores(["ok"] * 4, rows) == [1.0] * 4
+    finally:
+        reward.close()
+
+
+def test_a_stage_stopped_by_failing_user_code_exits_1_with_its_message_and_no_traceback(monkeypatch, capsys):
+    import pipeline.__main__ as cli
+    from pipeline.errors import StageError
+
+    def stopped(args, console, state):
+        state["summary"]["running"] = "ppo"
+        raise StageError("the rule reward my:f failed on 4 of 4 calls of one batch; raise stages.ppo.rewards."
+                         "max_error_share")
+
+    monkeypatch.setattr(cli, "_command", stopped)
+    assert cli.main(["validate", str(ROOT / "configs" / "full.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "failed on 4 of 4 calls" in err and "stage 'ppo' failed" in err and "Traceback" not in err

@@ -164,11 +164,12 @@ def test_a_rollout_batch_masks_the_environments_tokens_out():
     rows = [{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}]
     flat = [{"ids": [5, 6, 7, 8], "mask": [1, 0, 0, 1], "turns": 2, "tool_calls": 1, "tool_errors": 0, "tool_s": 0.5,
              "env_reward": 0.0},
-            {"ids": [9], "mask": [1], "turns": 1, "tool_calls": 0, "tool_errors": 1, "tool_s": 0.0, "env_reward": 1.0}]
+            {"ids": [9], "mask": [1], "turns": 1, "tool_calls": 0, "tool_errors": 1, "tool_s": 0.0, "env_reward": 1.0,
+             "env_error": "ValueError: Step.reward must be a finite number, got nan"}]
     batch = rollout_batch(rows, flat, pad_id=0)
     assert batch["response_mask"].tolist() == [[1, 0, 0, 1], [1, 0, 0, 0]]
     assert episode_stats(flat) == {"turns_per_sample": 1.5, "tool_calls_per_sample": 0.5, "tool_errors": 1.0,
-                                   "tool_s": 0.5, "env_reward_mean": 0.5}
+                                   "tool_s": 0.5, "env_reward_mean": 0.5, "env_errors": 1.0}
     assert json.dumps(episode_stats([{"ids": [1]}])) == "{}"  # single-turn samples: no tool metrics
 
 

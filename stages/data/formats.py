@@ -325,6 +325,17 @@ def _prompt(row: dict) -> dict:
     return out
 
 
+def with_original_names(good: dict, row: dict, columns: dict[str, str]) -> dict:
+    """A prompts row that also carries each mapped column under the user's own name (`columns: {answer:
+    solution}`: `solution` as well as `answer`), in `extra`: the user's reward function reads its own column
+    names, as TRL passes dataset columns by theirs."""
+    originals = {theirs: _jsonable(row[ours]) for ours, theirs in columns.items()
+                 if theirs != ours and ours in row and not _missing(row[ours])}
+    if not originals:
+        return good
+    return {**good, "extra": {**originals, **good.get("extra", {})}}
+
+
 def check_row(kind: str, row: dict[str, Any], fmt: str = "auto",
               columns: dict[str, str] | None = None) -> tuple[dict | None, str]:
     """Validate one raw row: (canonical row, "") if good, else (None, reason)."""
@@ -344,6 +355,8 @@ def classify_row(kind: str, row: dict[str, Any], fmt: str = "auto",
         row = map_columns(row, columns or {})
         fmt = detect_format(kind, [k for k in row if not _missing(row[k])]) if fmt == "auto" else fmt
         good = _canonical(kind, row, fmt)
+        if kind == "prompts":
+            good = with_original_names(good, row, columns or {})
         good["group"] = _text(row, "group", required=False) or good["key"]
         return good, "", ""
     except RowError as exc:

@@ -87,9 +87,10 @@ class _Session:
     train_rows: list[dict]
     eval_rows: list[dict]
     gold: Callable[[str, str], float] | None = None  # task.preference.gold: the judge no stage trains on
-    verify: Callable[[str, str], bool] | None = None  # task.verifier: what held-out accuracy counts
+    verify: Any = None  # task.verifier: what held-out accuracy counts (scoring.accuracy_of)
     moments: Any = None  # rewards.normalize: running statistics of the reward model's scores
     episode: Any = None  # stages.ppo.episodes.EpisodeSpec with an environment: samples are multi-turn episodes
+    env_budget: Any = None  # with an environment: rewards.ErrorBudget over its broken episodes
     groups: dict[str, Any] = field(default_factory=dict)  # role -> ModelGroup
     trained: dict[str, Any] = field(default_factory=dict)  # the trainable roles among them
     pool: Any = None  # the EnginePool
@@ -98,8 +99,9 @@ class _Session:
         return self.groups.get(name)
 
     def close(self) -> None:
-        if hasattr(self.rule, "close"):  # the rule reward's Ray workers, if it has any
-            self.rule.close()
+        for scorer in {id(x): x for x in (self.rule, self.verify)}.values():  # their Ray workers, if any
+            if hasattr(scorer, "close"):
+                scorer.close()
         if self.pool is not None:
             self.pool.shutdown()
         for g in self.groups.values():
@@ -155,7 +157,7 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
     from stages.common.lora import describe
     from stages.common.engines import EnginePool, EngineSpec
     from stages.common.models import load_tokenizer, saved_heads
-    from stages.common.verifiers import verifier_function
+    from stages.ppo.rewards import ErrorBudget
     from stages.ppo.scoring import rule_reward
 
     # The policy starts from the SFT model (the base model in a pipeline without sft); the critic from the
@@ -173,7 +175,7 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
     with ThreadPoolExecutor(1) as loader:
         tok = loader.submit(load_tokenizer, sft)
         ctx.ray()
-        s = _Session(tok.result(), rule, train_rows, eval_rows, verify=verifier_function(ctx.pipeline.task.verifier))
+        s = _Session(tok.result(), rule, train_rows, eval_rows, verify=_verifier(cfg, ctx, rule))
     clock.mark("ray")  # the tokenizer loaded meanwhile
     if ctx.pipeline.task.preference.gold:
         from stages.common.tasks import gold_function
@@ -199,6 +201,7 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
                      + ("" if heads > 1 else " (one head: nothing to combine; set stages.reward.heads)"))
     if cfg.environment:
         s.episode = _episode_spec(cfg)
+        s.env_budget = ErrorBudget(f"the environment {cfg.environment.name}", cfg.rewards.max_error_share)
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
@@ -230,6 +233,19 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
         raise
     ctx.progress("ready: " + ", ".join(f"{k} {v / 1e6:.2f}M params" for k, v in params.items()))
     return s
+
+
+def _verifier(cfg: PPOConfig, ctx: StageContext, rule):
+    """What held-out accuracy counts (task.verifier): a built-in verifier in this process; a 'module:function'
+    one is the user's code, run on reward workers with their timeout and error budget (the rule reward itself
+    when that is the verifier)."""
+    from stages.common.verifiers import BUILTINS, verifier_function
+    from stages.ppo.scoring import rule_reward
+
+    spec = ctx.pipeline.task.verifier
+    if spec in BUILTINS:
+        return verifier_function(spec)
+    return rule if cfg.rewards.rule == "verifier" else rule_reward("verifier", spec, cfg.rewards, ctx.progress)
 
 
 def _startup_details(s: _Session, clock, requested: float) -> None:
@@ -414,7 +430,7 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     import torch
 
     from stages.ppo import rl
-    from stages.ppo.scoring import answers_of, generate, rollout_batch, score, with_env_reward
+    from stages.ppo.scoring import accuracy_of, answers_of, generate, rollout_batch, score, with_env_reward
     from stages.ppo.worker import shard_batch
 
     rows = s.eval_rows[: cfg.curve_prompts]
@@ -438,8 +454,8 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     point = {"iteration": it, "kl": kl, "reward": mean(scores), "proxy": mean(raw) if raw else None,
              "gold": mean([float(s.gold(r["prompt"], t)) for t, r in zip(texts, reps)]) if s.gold else None,
              "rm_spread": mean(spread) if spread else None,
-             "accuracy": mean([float(s.verify(t, r.get("answer") or "")) for t, r in zip(texts, reps)])
-             if s.verify and any(r.get("answer") for r in rows) else None,
+             "accuracy": mean(accuracy_of(s.verify, texts, reps)) if s.verify and any(r.get("answer") for r in rows)
+             else None,
              "length": mean([float(len(x["ids"])) for x in flat])}
     trend["curve"].append(point)
     ctx.log_metrics({f"heldout_{k}": v for k, v in point.items() if k != "iteration" and v is not None}, step=it)
@@ -481,7 +497,7 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     if before is not None:
         before, before_gold = before
         after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
-                                     s.episode)
+                                     s.episode, s.env_budget)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
         if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
             final.update(gold_win_rate(before_gold, after_gold))
@@ -500,6 +516,9 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
                          f"{cfg.sampling.max_new_tokens} (scored as given): " + ", ".join(
                              f"{k.replace('_', ' ')} {b:.1%} -> {a:.1%}" for k, (b, a) in cut.items()))
     final["engine_restarts"] = s.pool.restarts
+    final.update(s.rule.totals() if hasattr(s.rule, "totals") else {})  # failed calls of your code, if any
+    if s.env_budget is not None and s.env_budget.failed:
+        final["env_errors_total"] = s.env_budget.failed
     return out, final
 
 
@@ -609,7 +628,7 @@ def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
     # the reference role's ranks.
     ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
     before = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
-                      s.episode) if s.eval_rows else None
+                      s.episode, s.env_budget) if s.eval_rows else None
     clock.mark("evaluation", counted=False)  # held-out work the config asks for, not start-up
     kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
     start, trend = _resume(s, ctx, kl_ctl)
@@ -637,6 +656,8 @@ def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) ->
     policy, critic, reward, micro = s.role("policy"), s.role("critic"), s.role("reward"), cfg.micro_batch_size
     ppo = cfg.algorithm == "ppo"
     flat = [x for group in req.generated for x in group]
+    if s.env_budget is not None:
+        s.env_budget.check_episodes(flat, req.rows)
     # policy updates made since the weights that generated these rollouts (0 synchronous, <= 1 async)
     staleness = it - min(x["version"] for x in flat)
     if staleness > cfg.rollout.max_staleness():
@@ -700,7 +721,7 @@ def _log(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, s
     import torch
 
     from stages.ppo import rl
-    from stages.ppo.scoring import episode_stats, samples, trajectories
+    from stages.ppo.scoring import episode_stats, failures_note, samples, trajectories
 
     mask, n = sc.batch["response_mask"], len(sc.rows)
     seq_kl = float(rl.masked_mean(sc.kl, mask, dim=1).mul(mask.sum(1)).mean())
@@ -734,6 +755,7 @@ def _log(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, s
                 f"reward {metrics['reward_mean']:.3f} rule {metrics['rule_reward_mean']:.3f} kl {seq_kl:.3f} "
                 f"len {metrics['response_length']:.1f}"
                 + (f" calls {metrics['tool_calls_per_sample']:.2f}" if "tool_calls_per_sample" in metrics else "")
+                + failures_note(metrics)
                 + f" | gen {sc.wait_s:.1f}s score {sc.score_s:.1f}s train {trained['train_s']:.1f}s "
                 f"sync {synced['sync_s']:.2f}s")
     return metrics

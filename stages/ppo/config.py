@@ -135,12 +135,20 @@ class RewardMix(Section):
                       "`tests` in a sandbox: 1 if every test passes) or 'module:function' naming any of prompt, "
                       "response, answer, row or your prompt columns as parameters (may be async) and returning a "
                       "float (stages/ppo/rewards.py).")
-    workers: int = Field(2, ge=1, description="Ray actors that run a 'module:function' or code_tests rule reward "
-                         "in parallel (the verifier runs in the driver).")
+    workers: int = Field(2, ge=1, description="Ray actors that run a 'module:function' or code_tests rule reward, "
+                         "or a 'module:function' task.verifier, in parallel (a built-in verifier runs in the driver).")
     timeout_s: float = Field(30.0, gt=0, description="Per call of a 'module:function' or code_tests rule reward: "
-                             "a call still running after this scores timeout_score and is counted (rule_timeouts).")
-    timeout_score: float = Field(0.0, description="The rule reward of a call that timed out or raised "
-                                 "(rule_timeouts / rule_errors per iteration in MLflow).")
+                             "a call still running after this scores timeout_score, is counted (rule_timeouts) and its worker is killed "
+                             "and replaced, whatever the code is doing.")
+    timeout_score: float = Field(0.0, description="The rule reward of a call that timed out, raised or returned "
+                                 "no finite number (rule_timeouts / rule_errors per iteration in MLflow, on the "
+                                 "progress line and in the run summary).")
+    max_error_share: float = Field(0.5, ge=0, le=1, description="Stop the stage (exit 1, naming the function, "
+                                   "the exception and a row) when more than this share of one batch's calls of a "
+                                   "'module:function' or code_tests rule reward, a 'module:function' task.verifier, "
+                                   "or of an iteration's environment episodes fail (raise, time out, return no "
+                                   "finite number). Every call of the first batch failing always stops it; 1: "
+                                   "otherwise never stop.")
     normalize: bool = Field(False, description="Standardise the reward model's scores by the running mean and std "
                             "of every training batch's scores so far (then weighted by model_weight): the proxy's "
                             "scale no longer depends on how far Bradley-Terry training spread its logits.")

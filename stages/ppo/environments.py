@@ -58,13 +58,17 @@ class Environment(Protocol):
 
 
 def as_step(result: Any) -> Step:
-    """A `step` return value as a Step: a Step, or the tuple (messages, reward, done)."""
-    if isinstance(result, Step):
-        return result
+    """A `step` return value as a Step: a Step, or the tuple (messages, reward, done). A TypeError for anything
+    else, a ValueError for a reward that is not a finite number (nan, inf, "nan": one NaN would turn a whole
+    GRPO group's advantages into NaN); either is the environment's error, counted as `env_errors`."""
+    from stages.ppo.rewards import finite_score
+
     if isinstance(result, tuple) and len(result) == 3:
         messages, reward, done = result
-        return Step(list(messages or []), float(reward or 0.0), bool(done))
-    raise TypeError(f"step() must return a Step or (messages, reward, done), got {type(result).__name__}")
+        result = Step(list(messages or []), 0.0 if reward is None else reward, bool(done))
+    if not isinstance(result, Step):
+        raise TypeError(f"step() must return a Step or (messages, reward, done), got {type(result).__name__}")
+    return Step(result.messages, finite_score(result.reward, "Step.reward"), result.done)
 
 
 # --------------------------------------------------------------------------- tool messages

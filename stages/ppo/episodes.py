@@ -23,7 +23,8 @@ stepping it needs no event loop in a Ray actor.
 
 What a sample returns (besides `generate`'s ids / logprobs / finished / version): `mask` (1 on the
 model's tokens, 0 on the environment's: `environments.assemble`), `final` (the last model turn, which
-the rule reward reads), `turns`, `tool_calls`, `tool_errors`, `tool_s`, `env_reward` and the
+the rule reward reads), `turns`, `tool_calls`, `tool_errors`, `tool_s`, `env_reward`, `env_error` (why the
+environment broke its protocol, ended the episode and is counted; "" normally) and the
 conversation as `messages` (a few are logged as trajectories).
 """
 
@@ -67,6 +68,7 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    env_error: str = ""  # the environment broke its protocol (a bad return value, a non-finite reward): ended
     tool_s: float = 0.0
     reward: float = 0.0
     truncated: bool = False
@@ -162,10 +164,15 @@ class AgentEngine(RolloutEngine):
         def env_answered(ep: _Episode, future: Future, t0: float) -> None:
             ep.tool_s += time.time() - t0
             try:
-                step = as_step(future.result())
+                result = future.result()
             except Exception as exc:  # a tool that raised: the model reads the error and may try again
                 ep.tool_errors += 1
                 add_env_messages(ep, [tool_error(f"{type(exc).__name__}: {exc}")])
+                return
+            try:
+                step = as_step(result)
+            except (TypeError, ValueError) as exc:  # the environment's own mistake, not the model's: counted
+                ep.env_error = f"{type(exc).__name__}: {exc}"  # (env_errors) and the episode ends, unrewarded
                 return
             ep.reward += step.reward
             if step.done:
@@ -205,4 +212,4 @@ class AgentEngine(RolloutEngine):
         out = assemble(ep.segments)
         return {**out, "finished": not ep.truncated, "version": self.version, "turns": ep.turns,
                 "tool_calls": ep.tool_calls, "tool_errors": ep.tool_errors, "tool_s": ep.tool_s,
-                "env_reward": ep.reward, "messages": ep.messages}
+                "env_reward": ep.reward, "env_error": ep.env_error, "messages": ep.messages}

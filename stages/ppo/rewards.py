@@ -1,50 +1,136 @@
 """The rule reward: what `stages.ppo.rewards.rule` names, scoring a batch of responses with their rows.
 
-- `verifier` (the default): the task's verifier (`task.verifier`), in the driver: a pure function of the
-  response and the row's `answer`, fast and ours, so it needs no isolation.
+- `verifier` (the default): the task's verifier (`task.verifier`). A built-in one (number, exact, choice,
+  regex, math) runs in the driver: ours, fast, pure. A `module:function` verifier is your code and runs
+  like a reward function (below).
 - `code_tests`: the response's Python code run against the row's test cases (`test_list` / `tests`) in
   the sandbox of `stages.ppo.sandbox` (a separate process with CPU, memory, output and time limits).
-- `module:function`: your function, called with the arguments it names (below), on `rewards.workers` Ray
-  actors in parallel, each call with a timeout (`rewards.timeout_s`): a call that times out scores
-  `rewards.timeout_score`, one that raises scores it too, and both are counted (`rule_timeouts`,
-  `rule_errors` per iteration in MLflow; the first error's traceback is logged). A worker whose call
-  timed out is replaced after the batch (the stuck call keeps running in its thread until then), so
-  one `while True` costs one timeout, never the run.
+- `module:function`: your function, called with the arguments it names (below) on `rewards.workers` Ray
+  actors, one call per actor at a time, each with a timeout (`rewards.timeout_s`).
+
+Your code fails loudly. A call that raises, runs past its timeout, or returns anything but a finite real
+number (a str, None, nan, inf) scores `rewards.timeout_score` and is counted (`rule_errors`,
+`rule_timeouts` per iteration in MLflow, on the progress line and in the run summary when non-zero; the
+first error's traceback is logged). When more than `rewards.max_error_share` of one batch's calls fail,
+or every call of the first batch does, the stage stops (exit 1) with one message naming the function,
+the exception, a row it failed on and the key to raise: a run never trains on errors in silence.
+
+Timeouts hold whatever the code does: the driver keeps each call's deadline and kills the actor of a
+call that passed it (a regex stuck in backtracking or a huge `str(int)` holds the interpreter, so no
+thread inside the actor could stop it), then starts a fresh actor. No wait in the scoring path is
+unbounded: an actor that does not start within `READY_TIMEOUT_S` is an error naming the function.
 
 Your function receives the whole prompt row. It names what it wants, as TRL's reward functions take
 dataset columns by keyword: any of `prompt`, `response` (or `completion`), `answer`, `row` (the whole row
-as a dict) and any column of your prompts file (e.g. `tests`); a function with `**kwargs` gets every
-column. `def reward(prompt, response, answer)` keeps working. An `async def` function is awaited.
+as a dict) and any column of your prompts file under its own name (e.g. `tests`, or `solution` when the
+config maps `columns: {answer: solution}`: the row carries both `answer` and `solution`); a function
+with `**kwargs` gets every column. `def reward(prompt, response, answer)` keeps working. An `async def`
+function is awaited.
 
-Ray actors rather than a process pool: they are placed by the same scheduler as the rest of the stage
-and run on any node of a cluster; each holds the loaded function between iterations. Threads inside a
-worker give the timeout without a process per call (a fork per call would cost more than most rewards).
+Ray actors rather than a process pool: they are placed by the same scheduler as the rest of the stage,
+run on any node of a cluster, can be killed from outside (the timeout), and each holds the loaded function
+between iterations.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
+import numbers
 import sys
-import threading
+import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
+from pipeline.errors import StageError, UserError
+
 BUILTIN = {"code_tests": "stages.ppo.sandbox:code_tests"}
 FIXED = ("prompt", "response", "completion", "answer", "row")
+SHARE_KEY = "stages.ppo.rewards.max_error_share"
+READY_TIMEOUT_S = 120.0  # a worker loading the user's module; past it the stage stops naming the function
+
+
+# --------------------------------------------------------------------------- pure parts
 
 
 def row_of(row: dict) -> dict:
-    """A prompt row as a reward function sees it: every column the user gave (their extra columns are
-    stored as JSON in `extra`), without the token ids."""
+    """A prompt row as a reward function sees it: every column the user gave (their extra columns, and the
+    originals of mapped ones, are stored as JSON in `extra`), without the token ids."""
     out = {k: v for k, v in row.items() if k not in ("prompt_ids", "extra", "num_tokens")}
     extra = row.get("extra")
     if extra:
-        out.update(json.loads(extra) if isinstance(extra, str) else extra)
+        out.update({k: v for k, v in (json.loads(extra) if isinstance(extra, str) else extra).items()
+                    if k not in out})
     return out
+
+
+def finite_score(value: Any, what: str = "the reward") -> float:
+    """`value` as a float when it is a finite real number (int, float, bool, a numpy scalar, a one-element
+    array or tensor); ValueError naming what came back otherwise. Strings are refused although float()
+    would read them: "nan" and "1e999" would pass as numbers, and one NaN turns a GRPO group into NaN."""
+    if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
+        try:
+            value = value.item()  # numpy 0-d arrays, torch scalars
+        except (ValueError, RuntimeError):
+            pass
+    if isinstance(value, str) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a finite number, got {type(value).__name__} {_short(repr(value))}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{what} must be a finite number, got {out}")
+    return out
+
+
+def over_budget(failed: int, calls: int, max_share: float, first: bool) -> bool:
+    """Should the stage stop? More than `max_share` of a batch's calls failed, or every call of the first
+    batch did (whatever the share: a function that never works is a mistake, not noise)."""
+    if not calls or not failed:
+        return False
+    return (first and failed == calls) or failed / calls > max_share
+
+
+@dataclass
+class ErrorBudget:
+    """When failures of the user's code stop the stage: `check` each batch (`over_budget`), raising a
+    StageError that names `name`, the first failure, its row and the key to raise."""
+
+    name: str  # e.g. "the rule reward my_reward:score"
+    max_share: float = 0.5
+    batches: int = 0
+    failed: int = 0  # over the run
+
+    def check(self, failed: int, calls: int, first: str, row: dict | None, counts: str = "") -> None:
+        self.batches += 1
+        self.failed += failed
+        if over_budget(failed, calls, self.max_share, first=self.batches == 1):
+            raise StageError(f"{self.name} failed on {failed} of {calls} calls of one batch{counts}; the stage stops "
+                             f"rather than train on failures. First failure: {first.strip().splitlines()[-1] if first.strip() else 'unknown'}"
+                             f"{', on ' + describe_row(row) if row is not None else ''}. Fix the code, or raise "
+                             f"{SHARE_KEY} (now {self.max_share:g}) to train through failures")
+
+    def check_episodes(self, flat: list[dict], rows: list[dict]) -> None:
+        """An iteration's episodes (`sampling.n` per row): those whose environment broke its protocol."""
+        if not flat or "env_error" not in flat[0]:
+            return
+        n = max(len(flat) // max(len(rows), 1), 1)
+        broken = [i for i, x in enumerate(flat) if x["env_error"]]
+        first = flat[broken[0]]["env_error"] if broken else ""
+        self.check(len(broken), len(flat), first, row_of(rows[broken[0] // n]) if broken else None)
+
+
+def _short(text: str, n: int = 80) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def describe_row(row: dict) -> str:
+    """A row for an error message: its prompt (shortened) and its columns."""
+    return f"prompt {_short(row.get('prompt', ''))!r} (columns: {', '.join(sorted(row))})"
 
 
 def bind(fn: Callable) -> Callable[[str, str, dict], Any]:
@@ -67,35 +153,6 @@ def bind(fn: Callable) -> Callable[[str, str, dict], Any]:
     return call
 
 
-def _run_one(call, prompt: str, response: str, row: dict, timeout_s: float) -> tuple[str, float | None, str]:
-    """('ok' | 'timeout' | 'error', score, traceback) of one call, in a daemon thread joined with a timeout."""
-    import asyncio
-
-    box: dict[str, Any] = {}
-
-    def target():
-        try:
-            out = call(prompt, response, row)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_awaited(out))
-            box["score"] = float(out)
-        except BaseException:  # noqa: BLE001 - the user's code: anything it raises is that call's error
-            box["error"] = traceback.format_exc(limit=5)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return "timeout", None, ""
-    if "error" in box:
-        return "error", None, box["error"]
-    return "ok", box["score"], ""
-
-
-async def _awaited(awaitable):
-    return await awaitable
-
-
 def import_root(spec: str) -> str | None:
     """The sys.path entry a 'module:function' spec's module is found under here, for the workers."""
     module = spec.split(":", 1)[0]
@@ -109,33 +166,66 @@ def import_root(spec: str) -> str | None:
     return str(Path(found.origin).parents[depth - 1 if depth > 0 else 0])
 
 
+def load(spec: str, kind: str) -> Callable[[str, str, dict], Any]:
+    """The function a spec names as (prompt, response, row) -> result: a reward bound by its parameter
+    names, or a `task.verifier` 'module:function' called as (response, answer)."""
+    from stages.common.tasks import load_function
+
+    if kind == "verifier":
+        verify = load_function(spec, "task.verifier", "an importable 'module:function' taking (response, answer)")
+        return lambda prompt, response, row: verify(response, row.get("answer") or "")
+    return bind(load_function(spec, "stages.ppo.rewards.rule", "'verifier', 'code_tests' or "
+                              "an importable 'module:function'"))
+
+
+def call_once(call, prompt: str, response: str, row: dict) -> tuple[str, float | None, str]:
+    """('ok', score, '') or ('error', None, traceback) of one call; an async result is awaited."""
+    import asyncio
+
+    try:
+        out = call(prompt, response, row)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_awaited(out))
+        return "ok", finite_score(out), ""
+    except BaseException:  # noqa: BLE001 - the user's code: anything it raises (SystemExit too) is that call's error
+        return "error", None, traceback.format_exc(limit=5)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+# --------------------------------------------------------------------------- the workers
+
+
 class RewardWorker:
-    """A Ray actor holding the user's reward function; scores its share of a batch, each call timed."""
+    """A Ray actor holding the user's function; scores one call at a time (the driver keeps the deadline)."""
 
-    def __init__(self, spec: str, path: str | None):
-        from stages.common.tasks import load_function
-
+    def __init__(self, spec: str, path: str | None, kind: str = "reward"):
         if path and path not in sys.path:
             sys.path.insert(0, path)
-        self.call = bind(load_function(spec, "stages.ppo.rewards.rule", "an importable 'module:function'"))
-        self.stuck = False
+        self.call = load(spec, kind)
 
-    def score(self, items: list[tuple[str, str, dict]], timeout_s: float, timeout_score: float) -> dict:
-        scores, timeouts, errors, first_error = [], 0, 0, ""
-        for prompt, response, row in items:
-            status, value, error = _run_one(self.call, prompt, response, row, timeout_s)
-            timeouts += status == "timeout"
-            errors += status == "error"
-            first_error = first_error or error
-            scores.append(value if status == "ok" else timeout_score)
-        self.stuck = self.stuck or timeouts > 0
-        return {"scores": scores, "timeouts": timeouts, "errors": errors, "first_error": first_error,
-                "stuck": self.stuck}
+    def ready(self) -> bool:
+        return True
+
+    def score(self, prompt: str, response: str, row: dict) -> tuple[str, float | None, str]:
+        return call_once(self.call, prompt, response, row)
+
+
+@dataclass
+class Failure:
+    """The first failed call of a batch, for the message that stops the stage."""
+
+    status: str  # error | timeout
+    detail: str  # the traceback, or what happened
+    row: dict
 
 
 @dataclass
 class RuleReward:
-    """The rule reward of a PPO stage: `scores(texts, rows)`; `counts()` the timeouts and errors since last read."""
+    """The rule reward of a PPO stage: `scores(texts, rows)`; `counts()` the timeouts and errors since last read,
+    `totals()` over the run."""
 
     spec: str
     verifier: str = "number"
@@ -143,72 +233,160 @@ class RuleReward:
     timeout_s: float = 30.0
     timeout_score: float = 0.0
     log: Callable[[str], None] = print
-    _local: Callable | None = None  # the verifier, in this process
-    _bound: Callable | None = None  # a user's function as loaded here (to fail fast, and for one-off calls)
+    max_error_share: float = 0.5
+    _local: Callable | None = None  # a built-in verifier, in this process
+    _kind: str = "reward"  # what the workers load: "reward" (rewards.rule) or "verifier" (task.verifier)
     _actors: list = field(default_factory=list)
     _counts: dict = field(default_factory=lambda: {"rule_timeouts": 0, "rule_errors": 0})
+    _totals: dict = field(default_factory=lambda: {"rule_timeouts": 0, "rule_errors": 0, "rule_calls": 0})
+    _budget: ErrorBudget | None = None
     _reported: bool = False
 
     def __post_init__(self):
-        if self.spec == "verifier":
-            from stages.common.verifiers import verifier_function
+        from stages.common.verifiers import BUILTINS, verifier_function
 
+        if self.spec == "verifier" and self.verifier in BUILTINS:
             verify = verifier_function(self.verifier)
             self._local = lambda prompt, response, row: float(verify(response, row.get("answer") or ""))
-        else:
-            if self.spec == "code_tests":  # say how untrusted code is isolated here (a weak fallback shows)
-                from stages.ppo.sandbox import interpreter, isolation
+            return
+        if self.spec == "verifier":  # the user's verifier: their code, run as a reward function is
+            self.spec, self._kind = self.verifier, "verifier"
+        elif self.spec == "code_tests":  # say how untrusted code is isolated here (a weak fallback shows)
+            from stages.ppo.sandbox import interpreter, isolation
 
-                self.log(f"code_tests: responses run sandboxed ({isolation()}, {interpreter()})")
-            self.spec = BUILTIN.get(self.spec, self.spec)
-            from stages.common.tasks import load_function  # fail fast here, with the config key, not in a worker
+            self.log(f"code_tests: responses run sandboxed ({isolation()}, {interpreter()})")
+        self.spec = BUILTIN.get(self.spec, self.spec)
+        load(self.spec, self._kind)  # fail fast here, with the config key, not in a worker
+        self._budget = ErrorBudget(self.name, self.max_error_share)
 
-            self._bound = bind(load_function(self.spec, "stages.ppo.rewards.rule", "'verifier', 'code_tests' or "
-                                             "an importable 'module:function'"))
+    @property
+    def name(self) -> str:
+        return f"task.verifier {self.spec}" if self._kind == "verifier" else f"the rule reward {self.spec}"
 
-    def _start(self, n: int) -> list:
+    # ----------------------------------------------------------------------- workers
+
+    def _start(self) -> tuple[Any, Any]:
+        """A fresh worker and the ref that resolves once it has loaded the function."""
         import ray
 
         # num_cpus 0: the workers share the stage's CPUs rather than holding bundles of their own (a reward
         # call is short; a code-execution reward's sandbox process is limited on its own).
-        actor = ray.remote(num_cpus=0)(RewardWorker)
-        return [actor.remote(self.spec, import_root(self.spec)) for _ in range(n)]
+        actor = ray.remote(num_cpus=0, max_restarts=0)(RewardWorker).remote(self.spec, import_root(self.spec),
+                                                                         self._kind)
+        return actor, actor.ready.remote()
 
-    def scores(self, texts: list[str], rows: list[dict]) -> list[float]:
-        full = [row_of(r) for r in rows]
-        if self._local is not None:
-            return [self._local(r["prompt"], t, r) for t, r in zip(texts, full)]
+    def _await_ready(self, starting: dict) -> list[int]:
+        """Wait (bounded) for starting workers; their indices. A worker that cannot load the function stops
+        the stage naming it."""
+        import ray
+
+        ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=READY_TIMEOUT_S)
+        if len(ready) < len(starting):
+            raise StageError(f"{self.name}: a reward worker did not load the function within {READY_TIMEOUT_S:.0f} s "
+                             "(does importing its module hang?)")
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - importing the user's module failed in the worker
+                raise StageError(f"{self.name}: a reward worker could not load it: {_short(str(exc), 400)}") from None
+        return [starting[ref] for ref in ready]
+
+    def _run_calls(self, items: list[tuple[str, str, dict]]) -> list[tuple[str, float | None, str]]:
+        """Every call's (status, score, detail), one call per worker at a time, each bounded by `timeout_s`
+        from its dispatch: a worker past it is killed and replaced."""
         import ray
 
         if not self._actors:
-            self._actors = self._start(self.workers)
-        items = [(r["prompt"], t, r) for t, r in zip(texts, full)]
-        n = len(self._actors)
-        parts = [items[i::n] for i in range(n)]  # round robin: neighbouring samples of a prompt spread out
-        outs = ray.get([a.score.remote(p, self.timeout_s, self.timeout_score) for a, p in zip(self._actors, parts)])
-        result = [0.0] * len(items)
-        for i, out in enumerate(outs):
-            result[i::n] = out["scores"]
-            self._counts["rule_timeouts"] += out["timeouts"]
-            self._counts["rule_errors"] += out["errors"]
-            if out["first_error"] and not self._reported:
-                self._reported = True
-                self.log(f"the rule reward {self.spec} raised (scored {self.timeout_score}; later errors are "
-                         f"counted in rule_errors, not shown):\n{out['first_error']}")
-        for i, out in enumerate(outs):
-            if out["stuck"]:  # its timed-out call still runs in a thread: a fresh worker instead
-                ray.kill(self._actors[i])
-                self._actors[i] = self._start(1)[0]
-        return result
+            started = [self._start() for _ in range(self.workers)]
+            self._actors = [a for a, _ in started]
+            free = self._await_ready({ref: i for i, (_, ref) in enumerate(started)})
+        else:
+            free = list(range(len(self._actors)))
+        results: list[Any] = [None] * len(items)
+        pending = deque(range(len(items)))
+        running: dict = {}  # ref -> (worker index, item index, deadline)
+        starting: dict = {}  # ready ref -> worker index: a replacement loading the function
+        while pending or running:
+            while free and pending:
+                w, i = free.pop(), pending.popleft()
+                running[self._actors[w].score.remote(*items[i])] = (w, i, time.monotonic() + self.timeout_s)
+            if not running:  # every worker is a replacement still loading
+                free += self._await_ready(starting)
+                starting.clear()
+                continue
+            wait_s = max(0.0, min(d for _, _, d in running.values()) - time.monotonic())
+            done, _ = ray.wait(list(running) + list(starting), num_returns=1, timeout=wait_s)
+            for ref in done:
+                if ref in starting:
+                    free += self._await_ready({ref: starting.pop(ref)})
+                    continue
+                w, i, _ = running.pop(ref)
+                try:
+                    results[i] = ray.get(ref)
+                    free.append(w)
+                except Exception as exc:  # noqa: BLE001 - the worker died (os._exit, a segfault, the OOM killer)
+                    results[i] = ("error", None, f"the reward worker died during this call: {_short(str(exc), 300)}")
+                    self._replace(w, starting)
+            now = time.monotonic()
+            for ref, (w, i, deadline) in list(running.items()):
+                if now >= deadline:  # abandoned: the worker is killed whatever its code is doing
+                    del running[ref]
+                    results[i] = ("timeout", None, f"no result within rewards.timeout_s={self.timeout_s:g} s")
+                    self._replace(w, starting)
+        if starting:  # the next batch's deadlines must not include a replacement's start
+            self._await_ready(starting)
+        return results
+
+    def _replace(self, w: int, starting: dict) -> None:
+        import ray
+
+        ray.kill(self._actors[w], no_restart=True)
+        self._actors[w], ready = self._start()
+        starting[ready] = w
+
+    # ----------------------------------------------------------------------- scoring
+
+    def scores(self, texts: list[str], rows: list[dict]) -> list[float]:
+        """One score per response; failed calls score `timeout_score`, are counted, and stop the stage past
+        `max_error_share` (module docstring)."""
+        full = [row_of(r) for r in rows]
+        if self._local is not None:
+            return [self._local(r["prompt"], t, r) for t, r in zip(texts, full)]
+        results = self._run_calls([(r["prompt"], t, r) for t, r in zip(texts, full)])
+        self._account(results, full)
+        return [score if status == "ok" else self.timeout_score for status, score, _ in results]
+
+    def _account(self, results: list[tuple], rows: list[dict]) -> None:
+        """Count the batch's failures, log the first one once (with its traceback), stop the stage when over
+        budget (`ErrorBudget`)."""
+        errors = sum(status == "error" for status, _, _ in results)
+        timeouts = sum(status == "timeout" for status, _, _ in results)
+        failures = [Failure(st, detail, row) for (st, _, detail), row in zip(results, rows) if st != "ok"]
+        first = next((f for f in failures if f.status == "error"), failures[0] if failures else None)  # a traceback first
+        for key, n in (("rule_errors", errors), ("rule_timeouts", timeouts)):
+            self._counts[key] += n
+            self._totals[key] += n
+        self._totals["rule_calls"] += len(results)
+        if first is not None and not self._reported:
+            self._reported = True
+            self.log(f"{self.name} failed on {errors + timeouts} of {len(results)} calls (scored "
+                     f"{self.timeout_score}; counted in rule_errors / rule_timeouts, later ones not shown); the first, "
+                     f"on {describe_row(first.row)}:\n{first.detail.rstrip()}")
+        self._budget.check(errors + timeouts, len(results), first.detail if first else "", first.row if first else None,
+                           f" ({errors} raised or returned no finite number, {timeouts} timed out)")
 
     def __call__(self, prompt: str, response: str, answer: str) -> float:
         """One response, scored in this process without the workers or a timeout (a one-off check)."""
-        call = self._local if self._local is not None else self._bound
-        return float(call(prompt, response, {"prompt": prompt, "answer": answer}))
+        call = self._local if self._local is not None else load(self.spec, self._kind)
+        return finite_score(call(prompt, response, {"prompt": prompt, "answer": answer}))
 
     def counts(self) -> dict[str, int]:
         out, self._counts = self._counts, {"rule_timeouts": 0, "rule_errors": 0}
         return out
+
+    def totals(self) -> dict[str, int]:
+        """The run's failed calls, for the summary: only the non-zero counts (nothing to report otherwise)."""
+        return {f"{k}_total": v for k, v in self._totals.items() if v and k != "rule_calls"}
 
     def close(self) -> None:
         import ray

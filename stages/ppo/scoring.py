@@ -23,7 +23,8 @@ def rule_reward(spec: str, verifier: str = "number", rewards=None, log=print):
 
     if rewards is None:
         return RuleReward(spec, verifier, log=log)
-    return RuleReward(spec, verifier, rewards.workers, rewards.timeout_s, rewards.timeout_score, log=log)
+    return RuleReward(spec, verifier, rewards.workers, rewards.timeout_s, rewards.timeout_score, log=log,
+                      max_error_share=rewards.max_error_share)
 
 
 class RunningMoments:
@@ -104,6 +105,22 @@ def score(texts: list[str], rows: list[dict], reward_group, cfg: PPOConfig, rule
     return scores, rule_scores, raw, spread
 
 
+def accuracy_of(verify, texts: list[str], rows: list[dict]) -> list[float]:
+    """Per response, 1.0 if the task's verifier accepts it: a built-in verifier called here, a user's one
+    (a RuleReward) on its workers, timed and counted."""
+    if hasattr(verify, "scores"):
+        return [float(x) for x in verify.scores(texts, rows)]
+    return [float(verify(t, r.get("answer") or "")) for t, r in zip(texts, rows)]
+
+
+def failures_note(metrics: dict) -> str:
+    """The progress line's account of failed calls of the user's code this iteration ("" when none)."""
+    parts = [f"{metrics[k]:.0f} {label}" for k, label in (("rule_errors", "reward errors"),
+                                                           ("rule_timeouts", "reward timeouts"),
+                                                           ("env_errors", "environment errors")) if metrics.get(k)]
+    return (" | " + ", ".join(parts)) if parts else ""
+
+
 def generate(pool, rows: list[dict], sampling: dict, episode=None) -> list[dict]:
     """Every sample of every row's prompt from the engines' current weights, prompts spread over the
     engines; a prompt's `sampling['n']` samples adjacent. With `episode`, multi-turn episodes."""
@@ -148,7 +165,8 @@ def episode_stats(flat: list[dict]) -> dict[str, float]:
     return {"turns_per_sample": sum(x["turns"] for x in flat) / n,
             "tool_calls_per_sample": sum(x["tool_calls"] for x in flat) / n,
             "tool_errors": float(sum(x["tool_errors"] for x in flat)),
-            "tool_s": sum(x["tool_s"] for x in flat), "env_reward_mean": sum(x["env_reward"] for x in flat) / n}
+            "tool_s": sum(x["tool_s"] for x in flat), "env_reward_mean": sum(x["env_reward"] for x in flat) / n,
+            "env_errors": float(sum(bool(x.get("env_error")) for x in flat))}
 
 
 def trajectories(rows: list[dict], flat: list[dict], scores: list[float], k: int, n: int) -> list[dict]:
@@ -159,7 +177,7 @@ def trajectories(rows: list[dict], flat: list[dict], scores: list[float], k: int
 
 
 def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
-             moments: RunningMoments | None = None, verify=None, episode=None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
+             moments: RunningMoments | None = None, verify=None, episode=None, budget=None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
     """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
     `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
     as given: counted and reported, so a length limit that cuts answers short shows). With a `gold`
@@ -174,10 +192,12 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
         flat = generate(pool, rows, sampling, episode)
         texts = answers_of(tok, flat)
         reps = [r for r in rows for _ in range(k)]
+        if budget is not None:  # an environment that broke its protocol on too many episodes stops the stage
+            budget.check_episodes(flat, rows)
         scores, correct, *_ = score(texts, reps, reward_group, cfg, rule, moments=moments)
         scores = with_env_reward(scores, flat, cfg)
-        if verify is not None:  # accuracy by the task's verifier, whatever the rule reward is
-            correct = [float(verify(t, r.get("answer") or "")) for t, r in zip(texts, reps)]
+        if verify is not None and verify is not rule:  # accuracy by the task's verifier, whatever the rule reward is
+            correct = accuracy_of(verify, texts, reps)
         cut = [float(not s["finished"]) for s in flat]  # stopped by max_new_tokens, not by the model
         per = lambda xs: [xs[i * k:(i + 1) * k] for i in range(len(rows))]  # noqa: E731
         mean = lambda xs: [sum(p) / k for p in per(xs)]  # noqa: E731
