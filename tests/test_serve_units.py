@@ -256,6 +256,23 @@ def test_deep_or_malformed_json_is_a_400_never_a_500():
         assert check_body(bad, SMALL).startswith("request body is not valid JSON"), bad[:20]
 
 
+def test_a_body_is_read_as_utf8_once_so_utf16_cannot_hide_its_nesting():
+    """`json.loads(bytes)` takes UTF-16, where U+0122 is the bytes 22 01: a byte-level scan saw a '"' there and
+    took the 600 brackets after it for the inside of a string, so the body went through as 0 deep. Now a body
+    is decoded once as strict UTF-8, every check reads that text, and anything else is a 400 saying so."""
+    deep = '{"a": "\u0122", "prompt": ' + "[" * 600 + "]" * 600 + "}"
+    assert json.loads(deep.encode("utf-16"))  # what the ingress's parser would have taken
+    for body in (deep.encode("utf-16"), deep.encode("utf-16-le"), ("[" * 600 + "]" * 600).encode("utf-16"),
+                 b'{"max_tokens": 4}'.decode().encode("utf-32")):
+        problem = check_body(body, SMALL)
+        assert problem is not None and "UTF-8" in problem, body[:20]
+        status, answer, seen = _call(lambda inner: RequestGuard(inner, None, SMALL), "POST", body)
+        assert status == 400 and "UTF-8" in json.loads(answer)["error"]["message"] and seen is None
+    # The same text as UTF-8: counted on the decoded string, refused for its depth.
+    assert f"{L}max_json_depth (8)" in check_body(deep.encode(), SMALL)
+    assert check_body('{"prompt": "\u0122 [[[", "max_tokens": 1}'.encode(), SMALL) is None  # text, not nesting
+
+
 def test_every_post_route_of_the_ingress_goes_through_the_checks():
     """The routes `build_app` serves are Ray Serve LLM's DEFAULT_ENDPOINTS: each POST one is in the guard's
     table (a Ray upgrade adding one fails here), and each refuses a deep body and a negative field."""
