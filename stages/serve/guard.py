@@ -5,9 +5,10 @@
 say why a body is refused, naming the key to raise. A body is decoded once, as strict UTF-8
 (`read_body`), and every check reads that one string or what it parses to: no check can see other
 text than the next one (the byte-level nesting count and `json.loads(bytes)`, which also takes
-UTF-16 and UTF-32, once disagreed, and a UTF-16 body 600 arrays deep went through). `RequestGuard`, the ASGI
-middleware `app.build_app` puts in front of the OpenAI ingress, applies them with the API key
-and answers in OpenAI's error shape. Nothing here imports Ray: all of it is tested as plain code.
+UTF-16 and UTF-32, once disagreed, and a UTF-16 body 600 arrays deep went through).
+`RequestGuard`, the ASGI middleware `app.build_app` puts in front of the OpenAI ingress, applies them with the API key
+and answers in OpenAI's error shape; `cors_options` is the CORS it allows (none unless
+`http.cors_origins` names origins). Nothing here imports Ray: all of it is tested as plain code.
 """
 
 from __future__ import annotations
@@ -256,6 +257,22 @@ def unknown_model(data: dict, models: list[str]) -> str | None:
     if model is None or model in models:
         return None
     return f"the model {model!r} is not served here; this server has: {', '.join(models)}"
+
+
+# --------------------------------------------------------------------------- cross-origin access
+
+
+def cors_options(origins: list[str]) -> dict | None:
+    """Starlette `CORSMiddleware` options for `http.cors_origins`, or None: no CORS middleware at all.
+
+    Without one no answer carries Access-Control-Allow-Origin, so a web page of another origin cannot read
+    the API's answers. Ray Serve LLM's own ingress allows every origin *with credentials* (Starlette then
+    echoes the caller's origin): any page a user opens could have driven a key-less server on their machine
+    or network. Credentials are allowed only to origins named one by one, never with '*' (any page)."""
+    if not origins:
+        return None
+    return {"allow_origins": list(origins), "allow_credentials": "*" not in origins,
+            "allow_methods": ["*"], "allow_headers": ["*"]}
 
 
 # --------------------------------------------------------------------------- the middleware
