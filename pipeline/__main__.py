@@ -124,7 +124,8 @@ def _serve(cfg, args, console) -> int:
     from stages.serve.app import serve_model
 
     check_reachable(cfg.tracking_uri)
-    serve_model(cfg.stages.serve_settings(), args.model or _default_model(cfg), cfg.tracking_uri, cfg.run_dir / "registry_cache",
+    serve_model(cfg.stages.serve_settings(), args.model or _default_model(cfg), cfg.tracking_uri,
+                cfg.run_dir / "registry_cache",
                 cfg.ray, _logger("serve", console), args.adapter)
     return 0
 

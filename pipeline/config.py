@@ -121,7 +121,8 @@ class StagesConfig(Section):
         dpo = self.dpo
         made = {"base_model", *(["sft_model"] if sft else []), *(["policy_model"] if ppo else []),
                 *(["dpo_model"] if dpo else [])}
-        if self.serve is not None and self.serve.source is None:  # the last model trained (sections are frozen once validated)
+        # serve's source defaults to the last model trained (sections are frozen once validated)
+        if self.serve is not None and self.serve.source is None:
             last = "policy_model" if ppo else "dpo_model" if dpo else "sft_model" if sft else "base_model"
             object.__setattr__(self, "serve", self.serve.model_copy(update={"source": last}))
         for key, source in (("serve", self.serve.source if self.serve else None),
