@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
 def _default_model(cfg) -> str:
     from stages.common.model_registry import model_uri
 
-    return model_uri(cfg.stages.serve.registry.model_name, cfg.stages.serve.registry.alias)
+    registry = cfg.stages.serve_settings().registry
+    return model_uri(registry.model_name, registry.alias)
 
 
 def _serve(cfg, args, console) -> int:
@@ -123,7 +124,8 @@ def _serve(cfg, args, console) -> int:
     from stages.serve.app import serve_model
 
     check_reachable(cfg.tracking_uri)
-    serve_model(cfg.stages.serve, args.model or _default_model(cfg), cfg.tracking_uri, cfg.run_dir / "registry_cache",
+    serve_model(cfg.stages.serve_settings(), args.model or _default_model(cfg), cfg.tracking_uri,
+                cfg.run_dir / "registry_cache",
                 cfg.ray, _logger("serve", console), args.adapter)
     return 0
 

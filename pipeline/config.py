@@ -94,8 +94,10 @@ class StagesConfig(Section):
                                   "with stages.serve.source: dpo_model.")
     ppo: PPOConfig | None = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed "
                                   "roles); null: no RL (serve takes the SFT model).")
-    serve: ServeConfig = Field(default_factory=ServeConfig, description="The serve stage (MLflow Model Registry + "
-                               "Ray Serve LLM).")
+    serve: ServeConfig | None = Field(default_factory=ServeConfig, description="The serve stage (MLflow Model "
+                                      "Registry + Ray Serve LLM); null: no such stage (nothing is registered or "
+                                      "served; the serve and batch-infer commands still work, with this section's "
+                                      "defaults).")
     batch_infer: BatchInferConfig | None = Field(None, description="The batch_infer stage (Ray Data LLM over a "
                                                  "prompts dataset); empty: no such stage (the batch-infer command "
                                                  "still works).")
@@ -119,10 +121,11 @@ class StagesConfig(Section):
         dpo = self.dpo
         made = {"base_model", *(["sft_model"] if sft else []), *(["policy_model"] if ppo else []),
                 *(["dpo_model"] if dpo else [])}
-        if self.serve.source is None:  # the last model the pipeline trains (sections are frozen once validated)
+        # serve's source defaults to the last model trained (sections are frozen once validated)
+        if self.serve is not None and self.serve.source is None:
             last = "policy_model" if ppo else "dpo_model" if dpo else "sft_model" if sft else "base_model"
             object.__setattr__(self, "serve", self.serve.model_copy(update={"source": last}))
-        for key, source in (("serve", self.serve.source),
+        for key, source in (("serve", self.serve.source if self.serve else None),
                             ("batch_infer", self.batch_infer.source if self.batch_infer else None)):
             if source and source not in made:
                 stage = {"policy_model": "ppo", "dpo_model": "dpo"}.get(source, "sft")
@@ -137,6 +140,12 @@ class StagesConfig(Section):
     def present(self) -> list[str]:
         """The optional training stages this pipeline runs."""
         return [name for name in ("sft", "reward", "dpo", "ppo") if getattr(self, name) is not None]
+
+    def serve_settings(self) -> ServeConfig:
+        """The serve section the `serve` and `batch-infer` commands read (registry name, engine, endpoint):
+        a pipeline without a serve stage (`stages.serve: null`) may still serve a model by hand, with the
+        section's defaults."""
+        return self.serve if self.serve is not None else ServeConfig()
 
 
 class PipelineConfig(Section):
@@ -206,7 +215,7 @@ class PipelineConfig(Section):
                              f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
                              "fewer engines or ranks, or raise ray.num_cpus")
         serve = self.stages.serve
-        if serve.deploy and serve.cpus_needed() > have:
+        if serve is not None and serve.deploy and serve.cpus_needed() > have:
             raise ValueError(f"stages.serve.replicas: {serve.replicas} replica(s) need {serve.cpus_needed()} logical "
                              f"CPUs (2 each + the ingress) but the local Ray has {have} (ray.num_cpus); use fewer "
                              "replicas or raise ray.num_cpus")

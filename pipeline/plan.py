@@ -20,6 +20,7 @@ from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_va
 from pipeline.errors import UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
 from pipeline.stage import load as load_stage
+from pipeline.tracking import redact
 
 FORCED = "forced (--force)"  # the reason of a stage the user forced: it reruns from scratch
 
@@ -121,8 +122,10 @@ def components(cfg: PipelineConfig, spec: StageSpec, upstream_keys: dict[str, st
     stage = load_stage(spec.module)
     section = stage_cfg if stage_cfg is not None else get_path(cfg, spec.config)
     raw = stage.raw_inputs(cfg)
-    config = {p: to_plain(get_path(cfg, p)) for p in (spec.config, *spec.reads)}
-    config[spec.config] = to_plain(section)
+    # A password in a URI (a database tracking store's, read by serve) is not part of what the stage
+    # computes: dropped, so it reaches no manifest or attempt.json, and changing it reruns nothing.
+    config = {p: redact(to_plain(get_path(cfg, p)), mask=None) for p in (spec.config, *spec.reads)}
+    config[spec.config] = redact(to_plain(section), mask=None)
     for p in spec.reads:  # whether a swept stage takes the sweep's values does not change the sweep
         if isinstance(config[p], dict):
             config[p].pop("use_tuned", None)

@@ -92,15 +92,15 @@ def _wired(spec: StageSpec, cfg: Any) -> StageSpec:
 
 
 def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
-    """The stages of a pipeline config: STAGES without those set to null (their consumers rewired, `_wired`),
-    with serve reading its configured source model, plus
+    """The stages of a pipeline config: STAGES without those set to null (their consumers rewired, `_wired`;
+    serve too may be null, and nothing reads its output), with serve reading its configured source model, plus
     the batch_infer stage when `stages.batch_infer` is set and the tune stage when `stages.tune` is.
 
     The tune stage reads what its target reads (it runs the target's code on the same artifacts)
     and the target's config section. A target with `use_tuned: true` also consumes the sweep's
     `best_config`, which places the sweep before it.
     """
-    stages = tuple(_wired(s, cfg) for s in STAGES if s.name in ("model", "data", "serve") or getattr(cfg.stages, s.name) is not None)
+    stages = tuple(_wired(s, cfg) for s in STAGES if s.name in ("model", "data") or getattr(cfg.stages, s.name) is not None)
     batch = cfg.stages.batch_infer
     if batch is not None:
         inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from pipeline import outcomes
+from pipeline.tracking import redact
 
 # The command's exit codes (pipeline/__main__.py's docstring) and the status the --json summary names each by.
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_LOCKED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -61,7 +62,7 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
             "outcomes": outcomes.headline(p.spec.outcomes, metrics), "outcome": outcomes.describe(p.spec.outcomes, metrics),
         })
     return {"status": _OUTCOME.get(exit_code, "failed"), "exit_code": exit_code, "error": error,
-            "run_dir": str(cfg.run_dir) if cfg else None, "tracking_uri": cfg.tracking_uri if cfg else None,
+            "run_dir": str(cfg.run_dir) if cfg else None, "tracking_uri": redact(cfg.tracking_uri) if cfg else None,
             "mlflow_parent_run_id": summary.get("parent_run_id"), "registered_model": registered_model(cfg, summary),
             "stages": stages}
 

@@ -50,6 +50,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -69,6 +70,8 @@ from pipeline.schema import Section
 MANIFEST = "manifest.json"
 ARTIFACTS = "artifacts"
 STAGING = ".staging"  # artifacts/<stage>/.staging/<key>: where a stage builds (its name is still the key)
+# What `_publish` names a bucket copy: one directory right under its artifact's prefix, `copy-<time>-<id>`.
+COPY_NAME = re.compile(r"copy-[0-9A-Za-z-]+")
 ASIDE = ".old"  # artifacts/<stage>/.old/<key>: a finished copy set aside during a two-rename swap
 
 
@@ -164,8 +167,20 @@ def manifest_problem(manifest, key: str, in_bucket: bool = False) -> str | None:
             safe_relative(str(name), "manifest")
         except StorageError:
             return f"its manifest names {name!r}, a path outside the artifact"
-    if in_bucket and not isinstance(manifest.get("copy"), str):
+    return copy_problem(manifest.get("copy")) if in_bucket else None
+
+
+def copy_problem(copy) -> str | None:
+    """Why a bucket manifest's `copy` is not a copy directory of its artifact, or None.
+
+    Its files are read from (and pulled into run_dir out of) `<artifact>/<copy>/`, so `copy` must be one
+    name of the form `_publish` writes: '../../other', '/abs' or 'a/b' would point this machine at objects
+    outside the artifact, which a manifest written elsewhere must not be able to do."""
+    if not isinstance(copy, str):
         return "its bucket manifest names no copy (made by an older version of the pipeline)"
+    if not COPY_NAME.fullmatch(copy):
+        return (f"its bucket manifest names copy {copy!r}, not a copy directory of the artifact (one name, "
+                "copy-<time>-<id>): a path that could leave the artifact is refused")
     return None
 
 
@@ -328,10 +343,13 @@ class ArtifactStore:
         except ValueError:
             manifest = None
         problem = manifest_problem(manifest, key, in_bucket=True)
-        if problem:
-            return None, f"damaged in {self.bucket.uri}: {problem}"
+        if problem:  # named with the manifest, the object to inspect or delete
+            return None, f"damaged in {self.bucket.uri}: {problem} ({self.bucket.url(f'{rel}/{MANIFEST}')})"
         base = f"{rel}/{manifest['copy']}"
         listed = self.bucket.files(base)
+        if manifest["files"] and not listed:
+            return None, (f"damaged in {self.bucket.uri}: its manifest ({self.bucket.url(f'{rel}/{MANIFEST}')}) names "
+                          f"copy {manifest['copy']!r}, which the artifact does not hold")
         etags = manifest.get("etags", {})
         for name, rec in manifest["files"].items():
             if name not in listed:

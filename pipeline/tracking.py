@@ -30,6 +30,9 @@ BATCH = 100  # MLflow's limit on params per log_batch call
 # URI can carry one); what the run needs stays in its own config, only what MLflow shows is redacted.
 # The password may itself hold an '@' (userinfo ends at the last '@' before the path).
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<secret>[^/\s]+)@")
+# A database store may carry its password as a query parameter instead (SQLAlchemy and libpq read
+# `?password=`; `postgresql://db/mlflow?user=u&password=pw`): masked, or dropped with its '&'.
+_QUERY_SECRET = re.compile(r"(?P<sep>[?&])(?P<name>password|passwd|pwd)=(?P<secret>[^&#\s]*)(?P<amp>&?)", re.I)
 
 # Where MLflow's REST client reads a tracking server's basic-auth credentials (mlflow.environment_variables).
 USERNAME_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
@@ -42,12 +45,21 @@ def redact(value: Any, mask: str | None = "***") -> Any:
     the reader authenticates from its own environment (MLFLOW_TRACKING_PASSWORD, ...) rather than
     sending the mask as a password."""
     if isinstance(value, str):
-        return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}{'' if mask is None else ':' + mask}@", value)
+        value = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}{'' if mask is None else ':' + mask}@", value)
+        return _QUERY_SECRET.sub(lambda m: _query_secret(m, mask), value)
     if isinstance(value, dict):
         return {k: redact(v, mask) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(v, mask) for v in value]
     return value
+
+
+def _query_secret(m: re.Match, mask: str | None) -> str:
+    """One `?password=...` parameter masked, or (mask None) dropped: `?password=pw&a=1` -> `?a=1`,
+    `?a=1&password=pw` -> `?a=1`."""
+    if mask is not None:
+        return f"{m['sep']}{m['name']}={mask}{m['amp']}"
+    return m["sep"] if m["amp"] else ""
 
 
 def redacted_keys(value: Any, prefix: str = "") -> list[str]:
@@ -56,7 +68,7 @@ def redacted_keys(value: Any, prefix: str = "") -> list[str]:
         return [k for key, v in value.items() for k in redacted_keys(v, f"{prefix}{key}.")]
     if isinstance(value, (list, tuple)):
         return [k for i, v in enumerate(value) for k in redacted_keys(v, f"{prefix}{i}.")]
-    return [prefix.rstrip(".")] if isinstance(value, str) and _USERINFO.search(value) else []
+    return [prefix.rstrip(".")] if isinstance(value, str) and redact(value) != value else []
 
 
 # --------------------------------------------------------------------------- tracking server credentials

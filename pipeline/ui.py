@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from pipeline.tracking import redact
+
 VIEW_STAGES = ("sft", "reward", "dpo", "ppo", "serve")  # stages whose headline metrics are runs-table columns
 
 
@@ -74,10 +76,12 @@ def run_ui(cfg, port: int, workers: int, console) -> int:
     """`python -m pipeline ui CONFIG`: the MLflow UI on the run's local tracking store until Ctrl-C
     (a tracking server has its own UI: its address is printed instead)."""
     if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
-        console.print(f"this run tracks to a server: open {cfg.tracking_uri} in a browser")
+        console.print(f"this run tracks to a server: open {redact(cfg.tracking_uri)} in a browser")
         return 0
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", cfg.tracking_uri,
-           "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
-    console.print(f"MLflow UI for {cfg.tracking_uri} at {ui_url(cfg, port)} (Ctrl-C stops it)")
+    # The store goes in the environment (MLflow's CLI reads MLFLOW_BACKEND_STORE_URI), not on the command
+    # line, where `ps` would show a database store's password to every user of the machine.
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
+    console.print(f"MLflow UI for {redact(cfg.tracking_uri)} at {ui_url(cfg, port)} (Ctrl-C stops it)")
     # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
-    return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ})
+    return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ,
+                             "MLFLOW_BACKEND_STORE_URI": cfg.tracking_uri})

@@ -172,6 +172,22 @@ def test_the_stage_graph_follows_the_config(tmp_path, overrides, graph, ppo_read
     assert specs["serve"].inputs == (last,)  # serve takes the last model trained unless told otherwise
 
 
+def test_serve_can_be_dropped_like_any_stage(tmp_path, capsys):
+    """`stages.serve: null` is a pipeline that registers and serves nothing: it validates, its plan has no serve
+    stage, and the serve and batch-infer commands still find a default registered model."""
+    from pipeline.__main__ import _default_model, main
+    from pipeline.registry import stages_for
+
+    cfg = smoke_config(tmp_path, "stages.serve=null")
+    assert cfg.stages.serve is None
+    assert [s.name for s in stages_for(cfg)] == ["model", "data", "sft", "reward", "ppo"]
+    assert _default_model(cfg) == "models:/posttrain-policy@champion"
+    assert main(["plan", str(SMOKE), f"run_dir={tmp_path}", "stages.serve=null"]) == 0
+    out = capsys.readouterr().out
+    assert "graph: model -> data -> sft -> reward -> ppo\n" in out and "serve" not in out, out
+    assert not (tmp_path / "artifacts").exists()
+
+
 @pytest.mark.parametrize("overrides, message", [
     (("stages.reward=null",), "stages.ppo.rewards.model_weight is 0.5 but stages.reward is null: there is no reward "
                               "model to score with; set stages.ppo.rewards.model_weight: 0"),

@@ -256,6 +256,71 @@ def test_deep_or_malformed_json_is_a_400_never_a_500():
         assert check_body(bad, SMALL).startswith("request body is not valid JSON"), bad[:20]
 
 
+def test_a_body_is_read_as_utf8_once_so_utf16_cannot_hide_its_nesting():
+    """`json.loads(bytes)` takes UTF-16, where U+0122 is the bytes 22 01: a byte-level scan saw a '"' there and
+    took the 600 brackets after it for the inside of a string, so the body went through as 0 deep. Now a body
+    is decoded once as strict UTF-8, every check reads that text, and anything else is a 400 saying so."""
+    deep = '{"a": "\u0122", "prompt": ' + "[" * 600 + "]" * 600 + "}"
+    assert json.loads(deep.encode("utf-16"))  # what the ingress's parser would have taken
+    for body in (deep.encode("utf-16"), deep.encode("utf-16-le"), ("[" * 600 + "]" * 600).encode("utf-16"),
+                 b'{"max_tokens": 4}'.decode().encode("utf-32")):
+        problem = check_body(body, SMALL)
+        assert problem is not None and "UTF-8" in problem, body[:20]
+        status, answer, seen = _call(lambda inner: RequestGuard(inner, None, SMALL), "POST", body)
+        assert status == 400 and "UTF-8" in json.loads(answer)["error"]["message"] and seen is None
+    # The same text as UTF-8: counted on the decoded string, refused for its depth.
+    assert f"{L}max_json_depth (8)" in check_body(deep.encode(), SMALL)
+    assert check_body('{"prompt": "\u0122 [[[", "max_tokens": 1}'.encode(), SMALL) is None  # text, not nesting
+
+
+def _cors_answers(origins: list[str], api_key: str | None = None) -> dict:
+    """{origin: (status, Access-Control-Allow-Origin, -Credentials)} of a POST and a preflight from each of two
+    origins to the ingress's FastAPI app as `build_app` makes it (a stub route in place of the engines)."""
+    from starlette.testclient import TestClient
+
+    from stages.serve.app import ingress_app
+
+    app = ingress_app(api_key, SMALL, ["m"], origins)
+    app.post("/v1/completions")(lambda: {"ok": True})
+    client, auth = TestClient(app), {"authorization": f"Bearer {api_key}"} if api_key else {}
+    answers = {}
+    for origin in ("https://app.example.com", "https://evil.example"):
+        post = client.post("/v1/completions", content=b'{"max_tokens": 1}', headers={"origin": origin, **auth})
+        pre = client.options("/v1/completions", headers={"origin": origin, "access-control-request-method": "POST",
+                                                         "access-control-request-headers": "authorization"})
+        answers[origin] = [(r.status_code if r is post else "pre", r.headers.get("access-control-allow-origin"),
+                            r.headers.get("access-control-allow-credentials")) for r in (post, pre)]
+    return answers
+
+
+def test_cors_is_closed_unless_origins_are_configured():
+    """Ray Serve LLM's ingress let every origin in with credentials (`Origin: X` got `Access-Control-Allow-Origin:
+    X`): any web page could use a key-less server on the user's machine. By default no answer now carries the
+    header; `http.cors_origins` opens it to the origins it names (credentials too), '*' to any page without."""
+    closed = _cors_answers([])
+    assert all(allow is None for answers in closed.values() for _, allow, _ in answers), closed
+    assert closed["https://evil.example"][0][0] == 200  # same-origin and non-browser clients are unaffected
+    named = _cors_answers(["https://app.example.com"], api_key="k")
+    assert named["https://app.example.com"] == [(200, "https://app.example.com", "true"),
+                                                ("pre", "https://app.example.com", "true")]  # preflight: no key needed
+    assert all(allow is None for _, allow, _ in named["https://evil.example"]), named
+    anyone = _cors_answers(["*"])
+    assert {allow for answers in anyone.values() for _, allow, _ in answers} == {"*"}
+    assert all(creds is None for answers in anyone.values() for _, _, creds in answers), anyone
+
+
+def test_cors_origins_must_be_origins(tmp_path):
+    from stages.serve import HttpConfig
+
+    assert HttpConfig().cors_origins == []
+    assert HttpConfig(cors_origins=["https://a.example:8443", "http://localhost:3000"]).cors_origins[1] == \
+        "http://localhost:3000"
+    for bad, message in ((["https://a.example/"], "not an origin"), (["a.example"], "not an origin"),
+                         (["*", "https://a.example"], "give it alone")):
+        with pytest.raises(ValueError, match=message):
+            HttpConfig(cors_origins=bad)
+
+
 def test_every_post_route_of_the_ingress_goes_through_the_checks():
     """The routes `build_app` serves are Ray Serve LLM's DEFAULT_ENDPOINTS: each POST one is in the guard's
     table (a Ray upgrade adding one fails here), and each refuses a deep body and a negative field."""

@@ -179,6 +179,32 @@ def test_a_bucket_manifest_naming_paths_outside_its_artifact_is_refused(s3, tmp_
         _artifact(tmp_path / "a2", "sft", "k", b"w", bucket)  # a good copy again for the next case
 
 
+def test_a_bucket_manifest_whose_copy_leaves_its_artifact_is_refused_and_nothing_is_written(s3, tmp_path):
+    """A bucket manifest's `copy` is the directory under the artifact its files are read from: one written
+    elsewhere naming '../other/<copy>' (another artifact's files, which would hash right), an absolute path or
+    a nested one is refused naming the manifest and the entry; one the artifact does not hold is a miss too."""
+    from pipeline.storage import ArtifactStore
+
+    bucket = s3.store("copies")
+    _artifact(tmp_path / "a", "sft", "other", b"w", bucket)
+    _artifact(tmp_path / "a", "sft", "k", b"w", bucket)
+    good = json.loads(bucket.read_bytes("artifacts/sft/k/manifest.json"))
+    theirs = json.loads(bucket.read_bytes("artifacts/sft/other/manifest.json"))["copy"]
+    for copy in (f"../other/{theirs}", "../../../../x", f"/{theirs}", f"{good['copy']}/..", "..", "copy-a/b", ""):
+        bucket.write_bytes("artifacts/sft/k/manifest.json", json.dumps({**good, "copy": copy}).encode())
+        store = ArtifactStore(tmp_path / "b", bucket)
+        found = store.lookup("sft", "k")
+        assert found.where == "missing", copy
+        assert f"names copy {copy!r}, not a copy directory" in found.problem, found.problem
+        assert bucket.url("artifacts/sft/k/manifest.json") in found.problem
+        assert store.pull("sft", "k") is None  # downloads nothing: run_dir holds only the pull's lock file
+        assert [p.name for p in (tmp_path / "b").rglob("*") if p.is_file()] == [".k.pull.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # and nothing was written beside it
+    bucket.write_bytes("artifacts/sft/k/manifest.json", json.dumps({**good, "copy": "copy-gone"}).encode())
+    found = ArtifactStore(tmp_path / "b", bucket).lookup("sft", "k")
+    assert found.where == "missing" and "names copy 'copy-gone', which the artifact does not hold" in found.problem
+
+
 def test_an_etag_that_is_not_an_s3_etag_is_a_storage_error(s3, tmp_path, monkeypatch):
     """A content check against a store whose ETags are not '<md5>' or '<md5>-N' names the object."""
     from pipeline.bucket import ObjectStore

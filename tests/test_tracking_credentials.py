@@ -211,6 +211,56 @@ def test_changing_only_the_password_keeps_every_cache_key(tmp_path):
     assert plan(f"https://{USER}:{PLANTED}@other.internal:5000")["serve"].key != first["serve"].key
 
 
+# --------------------------------------------------------------------------- database stores
+
+DATABASE_URIS = (f"postgresql://{USER}:{PLANTED}@db.internal:5432/mlflow",
+                 f"mysql+pymysql://{USER}:{PLANTED}@db.internal/mlflow",
+                 f"postgresql://db.internal/mlflow?user={USER}&password={PLANTED}&sslmode=require")
+
+
+def test_redact_masks_userinfo_and_query_string_passwords():
+    from pipeline.tracking import redact, redacted_keys
+
+    assert redact(DATABASE_URIS[0]) == "postgresql://alice:***@db.internal:5432/mlflow"
+    assert redact(DATABASE_URIS[1], mask=None) == "mysql+pymysql://alice@db.internal/mlflow"
+    assert redact(DATABASE_URIS[2]) == "postgresql://db.internal/mlflow?user=alice&password=***&sslmode=require"
+    assert redact(DATABASE_URIS[2], mask=None) == "postgresql://db.internal/mlflow?user=alice&sslmode=require"
+    assert redact("postgresql://h/db?password=pw", mask=None) == "postgresql://h/db"
+    assert redact("postgresql://h/db?PASSWORD=pw&a=1", mask=None) == "postgresql://h/db?a=1"
+    assert redacted_keys({"mlflow": {"tracking_uri": DATABASE_URIS[2]}}) == ["mlflow.tracking_uri"]
+
+
+@pytest.mark.parametrize("uri", [*DATABASE_URIS, f"https://{USER}:{PLANTED}@mlflow.internal"])
+def test_a_database_stores_password_is_in_no_summary_plan_or_ui_line(tmp_path, uri, monkeypatch):
+    """A database store's URI keeps its password (SQLAlchemy reads it from there), so each place that
+    shows or writes the URI redacts it: `run --json`, the cache key's components (manifests,
+    attempt.json, MLflow params) and what `ui` prints and puts on its command line."""
+    from rich.console import Console
+
+    from pipeline import ui
+    from pipeline.reports import json_summary
+    from pipeline.runner import build_plan
+    from pipeline.tracking import redact
+
+    cfg = smoke_config(tmp_path / "run", f"mlflow.tracking_uri={uri}", "stages.batch_infer.source=policy_model")
+    plan = build_plan(cfg)
+    summary = json_summary(cfg, {"plan": plan}, 0, None)
+    assert PLANTED not in json.dumps(summary) and summary["tracking_uri"] == redact(cfg.tracking_uri)
+    assert all(PLANTED not in json.dumps(p.components, default=str) for p in plan)
+    other = build_plan(smoke_config(tmp_path / "run", f"mlflow.tracking_uri={uri.replace(PLANTED, 'other-pw')}",
+                                    "stages.batch_infer.source=policy_model"))
+    assert [p.key for p in plan] == [p.key for p in other]  # another password is the same store
+
+    seen = {}
+    monkeypatch.setattr(ui, "ui_url", lambda cfg, port: f"http://127.0.0.1:{port}/")
+    monkeypatch.setattr(ui, "_run_server", lambda cmd, env: seen.update(cmd=cmd, env=env) or 0)
+    console = Console(record=True, width=300)
+    assert ui.run_ui(cfg, 5999, 1, console) == 0
+    assert PLANTED not in console.export_text() and PLANTED not in " ".join(seen.get("cmd", []))
+    if "cmd" in seen:  # a database store: the UI's server gets the whole URI, in its environment
+        assert seen["env"]["MLFLOW_BACKEND_STORE_URI"] == uri
+
+
 # --------------------------------------------------------------------------- Ray workers and jobs
 
 

@@ -24,6 +24,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.tracking import redact
+
 HASH_TAG = "model_hash"
 
 
@@ -116,11 +118,14 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
             name, _, number = name.partition("/")
             version = client.get_model_version(name, number)
     except MlflowException as exc:
-        raise UserError(f"{uri}: not found in the model registry at {tracking_uri} ({exc.message.splitlines()[0]}); "
+        raise UserError(f"{uri}: not found in the model registry at {redact(tracking_uri)} "
+                        f"({exc.message.splitlines()[0]}); "
                         "list versions in the MLflow UI (Models tab) or run the serve stage to register one") from None
     # Keyed by where the version lives, not just its number: another registry's (or a recreated
     # registry's) "version 1" is another model and must never be served from this download.
-    source = json.dumps([tracking_uri, version.run_id, version.source, (version.tags or {}).get(HASH_TAG)])
+    # A database store's password is not part of where it is (`redact`): another password, the same download.
+    source = json.dumps([redact(tracking_uri, mask=None), version.run_id, version.source,
+                         (version.tags or {}).get(HASH_TAG)])
     target = Path(cache_dir) / name / f"{version.version}-{hashlib.sha256(source.encode()).hexdigest()[:12]}"
     if (target / "config.json").is_file():
         return safe(target)

@@ -26,6 +26,7 @@ The package:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -56,6 +57,9 @@ class RegistryConfig(Section):
         return v
 
 
+_ORIGIN = re.compile(r"https?://[^/\s?#@]+")  # what a browser sends as Origin (no path, no user)
+
+
 class HttpConfig(Section):
     """The HTTP endpoint."""
 
@@ -66,6 +70,23 @@ class HttpConfig(Section):
                                     "requests without `Authorization: Bearer <key>` then get 401. Empty: no key.")
     allow_unauthenticated: bool = Field(False, description="Allow binding a non-loopback host without api_key_env "
                                         "(anyone who reaches the port can use the model).")
+    cors_origins: list[str] = Field([], description="Web origins ('https://app.example.com', scheme://host[:port]) "
+                                    "whose pages may call the API from a browser (CORS; credentials allowed), or "
+                                    "['*'] for any page (without credentials). Empty: no cross-origin access, no "
+                                    "page of another origin can read an answer.")
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: list[str]) -> list[str]:
+        # A browser sends `Origin: scheme://host[:port]` and CORS compares it as a string: a path, a trailing
+        # slash or a missing scheme would never match, silently.
+        for origin in v:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin; write scheme://host[:port] with no path or trailing "
+                                 "slash (e.g. https://app.example.com), or '*' for any page")
+        if "*" in v and len(v) > 1:
+            raise ValueError("'*' already allows every origin; give it alone or list the origins")
+        return v
 
     @model_validator(mode="after")
     def _key_off_loopback(self):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import UserError
-from stages.serve.guard import LimitsConfig, RequestGuard
+from stages.serve.guard import LimitsConfig, RequestGuard, cors_options
 
 if TYPE_CHECKING:  # annotations only
     from stages.serve import ServeConfig
@@ -168,13 +168,32 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0, adap
     )
 
 
-def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict[str, Path] | None = None):
-    """`build_openai_app`'s app, with `RequestGuard` first on the ingress's FastAPI app.
+def ingress_app(api_key: str | None, limits: LimitsConfig, models: list[str], cors_origins: list[str] = ()):
+    """The ingress's FastAPI app: Ray's own `init()` (error handling, metrics, request ids) without its
+    CORS middleware, which lets any origin in with credentials; `RequestGuard` in front of it; and, only
+    when `http.cors_origins` names origins, a CORS middleware for those in front of everything (so a
+    browser's preflight, which carries no API key, is answered, and so are the guard's refusals)."""
+    from ray.llm._internal.serve.core.ingress.ingress import init
+    from starlette.middleware.cors import CORSMiddleware
+
+    app = init()
+    app.user_middleware = [m for m in app.user_middleware if not issubclass(m.cls, CORSMiddleware)]
+    # Added after Ray's, so they run before them (the last added runs first).
+    app.add_middleware(RequestGuard, api_key=api_key, limits=limits, models=models)
+    options = cors_options(list(cors_origins))
+    if options:
+        app.add_middleware(CORSMiddleware, **options)
+    return app
+
+
+def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict[str, Path] | None = None,
+              cors_origins: list[str] = ()):
+    """`build_openai_app`'s app, with `RequestGuard` first on the ingress's FastAPI app (`ingress_app`).
 
     The ingress is assembled as `build_openai_app` assembles it (same deployments, options and
-    model cards); only its FastAPI app is ours, made by Ray's own `init()` (its error handling,
-    CORS and request ids) with the guard added. `init` and `to_model_metadata` are internal to
-    Ray 2.60: there is no public hook for middleware on the LLM ingress.
+    model cards); only its FastAPI app is ours, made by Ray's own `init()` (its error handling
+    and request ids; its CORS replaced by `http.cors_origins`) with the guard added. `init` and
+    `to_model_metadata` are internal to Ray 2.60: there is no public hook for middleware on the LLM ingress.
 
     Each adapter is one more model id, `<model_id>:<name>`, on the same deployment: the ingress
     sends it there with Serve's multiplexed model id, and the replica loads the adapter from its
@@ -182,16 +201,13 @@ def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict
     /v1/models (Serve LLM lists adapters only from cloud storage)."""
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
-    from ray.llm._internal.serve.core.ingress.ingress import init
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
     adapters = adapters or {}
     base = llm_cfg.model_id
     models = [base, *(f"{base}:{name}" for name in adapters)]
-    fastapi_app = init()
-    # Added last, so it runs first.
-    fastapi_app.add_middleware(RequestGuard, api_key=api_key, limits=limits, models=models)
+    fastapi_app = ingress_app(api_key, limits, models, cors_origins)
     ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
     loader = functools.partial(LocalAdapters, {name: str(d.absolute()) for name, d in adapters.items()})
     deployment = build_llm_deployment(llm_cfg, bind_kwargs={"model_downloader": loader} if adapters else None)
@@ -263,7 +279,7 @@ class Server:
             raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "
                             f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise ray.num_cpus")
         app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed, self.adapters), key, self.cfg.limits,
-                        self.adapters)
+                        self.adapters, self.cfg.http.cors_origins)
         named = "".join(f", adapter {self.cfg.served_name()}:{n} ({d})" for n, d in self.adapters.items())
         self.log(f"deploying {self.cfg.served_name()}{named} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
                  f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")

@@ -2,9 +2,13 @@
 
 `LimitsConfig` (the serve stage's `limits`) caps the work of one request; the pure checks
 (`check_body`: nesting, sampling fields, prompts x n x max_tokens; `unknown_model`; `engine_dead`)
-read a raw body and say why it is refused, naming the key to raise. `RequestGuard`, the ASGI
-middleware `app.build_app` puts in front of the OpenAI ingress, applies them with the API key
-and answers in OpenAI's error shape. Nothing here imports Ray: all of it is tested as plain code.
+say why a body is refused, naming the key to raise. A body is decoded once, as strict UTF-8
+(`read_body`), and every check reads that one string or what it parses to: no check can see other
+text than the next one (the byte-level nesting count and `json.loads(bytes)`, which also takes
+UTF-16 and UTF-32, once disagreed, and a UTF-16 body 600 arrays deep went through).
+`RequestGuard`, the ASGI middleware `app.build_app` puts in front of the OpenAI ingress, applies them with the API key
+and answers in OpenAI's error shape; `cors_options` is the CORS it allows (none unless
+`http.cors_origins` names origins). Nothing here imports Ray: all of it is tested as plain code.
 """
 
 from __future__ import annotations
@@ -76,22 +80,40 @@ OTHER_ROUTE = (("prompt", "prompt_embeds", "input", "text_1", "text_2"), True)
 LIMIT = "stages.serve.limits."  # what every objection names: the key to raise
 
 # A JSON string, closed or not (an unclosed one runs to the end, so no start is scanned twice); and what is left.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_INNERMOST = re.compile(rb"\[\]|\{\}")
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
 
 
-def json_depth(body: bytes, limit: int) -> int:
+def decode_body(body: bytes) -> tuple[str | None, str | None]:
+    """(the body as text, None), or (None, why it is refused) when it is not strict UTF-8.
+
+    JSON between systems is UTF-8 (RFC 8259). `json.loads` on bytes would also take UTF-16 and UTF-32, where a
+    character such as U+0122 has a '"' byte: read as bytes, the brackets after it looked like the inside of a
+    string and were not counted. Decoding once, here, gives every check (and the parser) the same text.
+    A NUL character is never valid JSON but is what UTF-16 and UTF-32 text of ASCII looks like as UTF-8: said so."""
+    try:
+        text = body.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        return None, (f"request body is not valid JSON: it must be UTF-8 text ({exc.reason} at byte {exc.start}); "
+                      "send it encoded as UTF-8")
+    if "\x00" in text:
+        return None, ("request body is not valid JSON: it holds NUL bytes, as UTF-16 or UTF-32 text does; send it "
+                      "encoded as UTF-8")
+    return text, None
+
+
+def json_depth(text: str, limit: int) -> int:
     """How deep a JSON text nests arrays and objects, counted up to `limit` + 1, without parsing it.
 
     Python's parser recurses once per level: `"[" * 200000` raised RecursionError (a 500) before this, and a
     body passed on is parsed again by the ingress and validated by pydantic, both recursively. Strings are
     dropped (a bracket inside one does not count), then each pass removes the innermost pairs: all in C, so even
     1 MiB of brackets costs less than parsing it. Unbalanced brackets stop the count: the parser refuses them."""
-    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text))
     depth = 0
     while brackets and depth <= limit:
-        brackets, removed = _INNERMOST.subn(b"", brackets)
+        brackets, removed = _INNERMOST.subn("", brackets)
         if not removed:
             break
         depth += 1
@@ -182,25 +204,43 @@ def request_work(data: dict, route: str, limits: LimitsConfig) -> str | None:
     return None
 
 
+def read_body(body: bytes, limits: LimitsConfig) -> tuple[dict | None, str | None]:
+    """(the body's JSON object, None), or (None, why it is refused).
+
+    The body is decoded once as strict UTF-8 (`decode_body`); its nesting is counted on that text and the
+    same text is parsed, so what is counted is what is parsed. (Its size, max_body_bytes, is checked on the
+    bytes as they arrive, `RequestGuard`: the same number, a UTF-8 text's length in bytes.)"""
+    text, problem = decode_body(body or b"")
+    if problem:
+        return None, problem
+    too_deep = f"request body nests arrays/objects more than {LIMIT}max_json_depth ({limits.max_json_depth}) deep"
+    if json_depth(text, limits.max_json_depth) > limits.max_json_depth:
+        return None, too_deep
+    try:
+        data = json.loads(text)
+    except RecursionError:  # unbalanced brackets the count stopped at ("[" * 200000): no body makes a 500
+        return None, too_deep
+    except ValueError as exc:
+        return None, f"request body is not valid JSON ({exc})"
+    if not isinstance(data, dict):
+        return None, "request body must be a JSON object"
+    return data, None
+
+
 def check_body(body: bytes, limits: LimitsConfig | None = None, route: str = "/v1/completions") -> str | None:
     """Why a POST body to `route` is refused, or None.
 
-    The body must be a JSON object, nested at most max_json_depth deep, whose sampling fields are within
-    `limits` (`field_objection`) and whose work is (`request_work`). Every objection names the limit to raise.
-    A request naming no max_tokens is left as it is: the engine gives it `limits.max_tokens`, capped by what the
-    context leaves (`llm_config`)."""
+    The body must be a UTF-8 JSON object, nested at most max_json_depth deep (`read_body`), whose sampling
+    fields are within `limits` (`field_objection`) and whose work is (`request_work`). Every objection names
+    the limit to raise. A request naming no max_tokens is left as it is: the engine gives it
+    `limits.max_tokens`, capped by what the context leaves (`llm_config`)."""
     limits = limits or LimitsConfig()
-    too_deep = f"request body nests arrays/objects more than {LIMIT}max_json_depth ({limits.max_json_depth}) deep"
-    if json_depth(body or b"", limits.max_json_depth) > limits.max_json_depth:
-        return too_deep
-    try:
-        data = json.loads(body or b"")
-    except RecursionError:  # unbalanced brackets the count stopped at ("[" * 200000): no body makes a 500
-        return too_deep
-    except (ValueError, UnicodeDecodeError) as exc:
-        return f"request body is not valid JSON ({exc})"
-    if not isinstance(data, dict):
-        return "request body must be a JSON object"
+    data, problem = read_body(body, limits)
+    return problem or request_objection(data, limits, route)
+
+
+def request_objection(data: dict, limits: LimitsConfig, route: str) -> str | None:
+    """Why a parsed request to `route` is refused, or None: its sampling fields, then its work."""
     return field_objection(data, limits) or request_work(data, route.rstrip("/") or "/", limits)
 
 
@@ -210,16 +250,29 @@ def engine_dead(body: bytes) -> bool:
     return b"EngineDeadError" in body or b"EngineGenerateError" in body
 
 
-def unknown_model(body: bytes, models: list[str]) -> str | None:
-    """Why a request's `model` is not served here (None if it is, or names none): Serve LLM would
-    route any `<base>:<name>` to the base's engine and fail there with a 500."""
-    try:
-        model = json.loads(body or b"").get("model")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return None
+def unknown_model(data: dict, models: list[str]) -> str | None:
+    """Why a request's `model` (of its parsed body, `read_body`) is not served here (None if it is, or
+    names none): Serve LLM would route any `<base>:<name>` to the base's engine and fail there with a 500."""
+    model = data.get("model")
     if model is None or model in models:
         return None
     return f"the model {model!r} is not served here; this server has: {', '.join(models)}"
+
+
+# --------------------------------------------------------------------------- cross-origin access
+
+
+def cors_options(origins: list[str]) -> dict | None:
+    """Starlette `CORSMiddleware` options for `http.cors_origins`, or None: no CORS middleware at all.
+
+    Without one no answer carries Access-Control-Allow-Origin, so a web page of another origin cannot read
+    the API's answers. Ray Serve LLM's own ingress allows every origin *with credentials* (Starlette then
+    echoes the caller's origin): any page a user opens could have driven a key-less server on their machine
+    or network. Credentials are allowed only to origins named one by one, never with '*' (any page)."""
+    if not origins:
+        return None
+    return {"allow_origins": list(origins), "allow_credentials": "*" not in origins,
+            "allow_methods": ["*"], "allow_headers": ["*"]}
 
 
 # --------------------------------------------------------------------------- the middleware
@@ -276,10 +329,11 @@ class RequestGuard:
                                          f"{self.limits.max_body_bytes} bytes", "invalid_request_error")
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        problem = check_body(body, self.limits, scope.get("path", ""))
+        data, problem = read_body(body, self.limits)  # decoded and parsed once, for every check below
+        problem = problem or request_objection(data, self.limits, scope.get("path", ""))
         if problem:
             return await self._reply(send, 400, problem, "invalid_request_error")
-        missing = unknown_model(body, self.models) if self.models else None
+        missing = unknown_model(data, self.models) if self.models else None
         if missing:
             return await self._reply(send, 404, missing, "invalid_request_error")
         sent = False
