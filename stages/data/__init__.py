@@ -30,6 +30,7 @@ from pydantic import Field, model_validator
 from pipeline import events
 from pipeline.errors import DataError
 from pipeline.schema import Section
+from stages.data.safe_read import parse_record
 from stages.data.formats import KINDS, RowError, check_row, classify_row, locate_problem
 from stages.data.sources import SourceConfig, SourcesConfig, read_source, resolve_format
 
@@ -163,17 +164,7 @@ def _raw_rows(batch, json_text: bool) -> list[dict | str]:
     """A batch's raw records: JSON sources arrive as one `text` column of records (parsed here, so a
     malformed one is a bad row, not a failed read); other sources as their own columns."""
     rows = batch.to_pylist()
-    if not json_text:
-        return rows
-    out: list[dict | str] = []
-    for r in rows:
-        try:
-            record = json.loads(r["text"])
-        except json.JSONDecodeError as exc:
-            out.append(f"invalid JSON ({exc.msg} at column {exc.colno})")
-            continue
-        out.append(record if isinstance(record, dict) else "a record must be one JSON object")
-    return out
+    return [parse_record(r["text"]) for r in rows] if json_text else rows
 
 
 def split_with_eval(kind: str, group: str, seed: int, eval_fraction: float, eval_groups: frozenset | None) -> str:
@@ -381,12 +372,14 @@ def eval_groups(cfg: DataConfig) -> frozenset | None:
     if not cfg.sources.eval:
         return None
     groups = set()
-    for src in cfg.sources.eval:
-        fmt = src.format
-        for row in records(src):
-            good, _ = check_row("prompts", row, fmt, src.columns)
-            if good:
-                groups.add(good["group"])
+    for i, src in enumerate(cfg.sources.eval):
+        try:
+            for row in records(src):
+                good, _ = check_row("prompts", row, src.format, src.columns)
+                if good:
+                    groups.add(good["group"])
+        except ValueError as exc:  # a save_to_disk directory refused (a missing split, a column of an extension type)
+            raise DataError(f"stages.data.sources.eval[{i}]: {exc}") from None
     if not groups:
         raise DataError("stages.data.sources.eval: no usable rows (they need a 'prompt'; map yours with `columns:`)")
     return frozenset(groups)

@@ -34,6 +34,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+import stages.data.safe_read as safe_read
+
 KINDS = ("sft", "preference", "prompts")
 FORMATS = {
     "sft": ("messages", "sharegpt", "alpaca", "prompt_completion"),
@@ -361,6 +363,8 @@ def classify_row(kind: str, row: dict[str, Any], fmt: str = "auto",
         return good, "", ""
     except RowError as exc:
         return None, exc.code, str(exc)
+    except RecursionError:  # a value nested deeper than Python's JSON codec goes (an `extra` column, tool arguments)
+        return None, "too_deep", "a value nested too deeply to read"
 
 
 def _canonical(kind: str, row: dict[str, Any], fmt: str) -> dict:
@@ -400,57 +404,103 @@ def open_text(path: Path):
 
 
 def is_json_array(path: Path) -> bool:
-    """A JSON file holding one array of rows (rather than JSON Lines): its first non-space character is '['."""
-    with open_text(path) as f:
-        while chunk := f.read(4096):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[0] == "["
+    """A JSON file holding one array of rows (rather than JSON Lines): its first non-space character is '['
+    (looked for in the first MiB only; a file that is not readable gzip is not an array: its reader says why)."""
+    try:
+        with open_text(path) as f:
+            for _ in range(256):
+                chunk = f.read(4096)
+                if not chunk:
+                    return False
+                if stripped := chunk.lstrip():
+                    return stripped[0] == "["
+    except safe_read.GZIP_ERRORS:
+        return False
     return False
 
 
-def iter_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
-    """(line number, row or parse error) for each record of a file, in one process."""
-    kind = file_type(path)
-    if kind == "json" and is_json_array(path):
+def _json_array_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """A JSON array's items, parsed one at a time; a structural problem ends the file with its reason."""
+    n = 0
+    try:
         with open_text(path) as f:
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as exc:
-                yield exc.lineno, f"invalid JSON ({exc.msg} at column {exc.colno})"
-                return
-        for i, row in enumerate(rows, start=1):
-            yield i, row if isinstance(row, dict) else "an array item must be one JSON object"
-    elif kind == "json":
+            for n, item in safe_read.json_array_items(f):
+                yield n, safe_read.parse_record(item)
+    except ValueError as exc:  # the array itself is malformed: its reason names the line
+        yield 0, str(exc)
+    except RecursionError:
+        yield n + 1, "invalid JSON (nested too deeply to parse, so the array cannot be read past it)"
+    except safe_read.ArrayTooLarge:
+        yield 0, safe_read.array_too_large()
+    except safe_read.GZIP_ERRORS as exc:
+        yield 0, safe_read.gzip_reason(exc)
+
+
+def _json_lines_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """JSON Lines records; a gzip stream that breaks off, or unpacks past the cap, ends the file with its reason."""
+    line_no, total, cap = 0, 0, safe_read.MAX_GZIP_BYTES if path.name.lower().endswith(".gz") else None
+    try:
         with open_text(path) as f:
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield line_no, f"invalid JSON ({exc.msg} at column {exc.colno})"
-                    continue
-                yield line_no, row if isinstance(row, dict) else "a line must hold one JSON object"
-    elif kind == "csv":
-        with path.open(newline="", encoding="utf-8", errors="replace") as f:
-            reader = csv.DictReader(f)
+            for line_no, line in safe_read.read_lines(f):
+                total += len(line) or safe_read.MAX_RECORD_BYTES
+                if cap is not None and total > cap:
+                    yield 0, safe_read.gzip_too_large()
+                    return
+                if not line:
+                    yield line_no, safe_read.record_too_large()
+                elif line.strip():
+                    yield line_no, safe_read.parse_record(line)
+    except safe_read.GZIP_ERRORS as exc:
+        yield line_no + 1, safe_read.gzip_reason(exc, line_no)
+
+
+def _csv_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """CSV rows as dicts; a row whose column count differs from the header's, or over the record cap, is a
+    reason (a field over the cap ends the file: the csv module cannot go on past it)."""
+    csv.field_size_limit(max(csv.field_size_limit(), safe_read.MAX_RECORD_BYTES))
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
+        reader = csv.DictReader(f)
+        try:
             width = len(reader.fieldnames or [])
             for row in reader:
                 if None in row or len(row) != width:
                     yield reader.line_num, f"expected {width} columns"
+                elif safe_read.csv_row_too_large(row):
+                    yield reader.line_num, safe_read.record_too_large()
                 else:
                     yield reader.line_num, row
-    elif kind == "parquet":
-        import pyarrow.parquet as pq
+        except csv.Error as exc:
+            yield reader.line_num + 1, f"unreadable CSV ({exc}; a field over {safe_read.size(safe_read.MAX_RECORD_BYTES)} " \
+                                       "is over the cap on one record)"
 
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # noqa: BLE001 - any pyarrow failure means "not a readable parquet file"
-            yield 0, f"not a readable Parquet file ({exc})"
-            return
-        for i, row in enumerate(table.to_pylist(), start=1):
-            yield i, row
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """Parquet rows, after its schema is checked: a column of an extension type is never read."""
+    import pyarrow.parquet as pq
+
+    problem = safe_read.parquet_problem(path)
+    if problem:
+        yield 0, problem
+        return
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - any pyarrow failure means "not a readable parquet file"
+        yield 0, f"not a readable Parquet file ({exc})"
+        return
+    for i, row in enumerate(table.to_pylist(), start=1):
+        yield i, row
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, dict | str]]:
+    """(line number, row or why it is not one) for each record of a file, in one process; line 0 is a
+    problem with the whole file (it then ends). Nothing here raises on a file's contents."""
+    kind = file_type(path)
+    if kind == "json":
+        yield from (_json_array_rows(path) if is_json_array(path) else _json_lines_rows(path))
+    elif kind == "csv":
+        yield from _csv_rows(path)
+    elif kind == "parquet":
+        yield from _parquet_rows(path)
 
 
 def locate_problem(path: Path, kind: str, fmt: str = "auto", columns: dict[str, str] | None = None,

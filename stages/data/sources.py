@@ -24,14 +24,13 @@ refuses for the whole file, while here only a row that is actually malformed is 
 
 from __future__ import annotations
 
-import glob
-import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
+import stages.data.safe_read as safe_read
 from stages.data.formats import (FORMATS, KINDS, SUFFIXES, detect_format, file_type, is_json_array, iter_rows,
                                  map_columns, open_text)
 
@@ -51,10 +50,6 @@ def is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any((path / m).is_file() for m in HF_MARKERS)
 
 
-def _has_magic(text: str) -> bool:
-    return any(c in text for c in "*?[")
-
-
 class SourceConfig(Section):
     """One source of rows: a file, a directory or a glob, with an optional format and column mapping."""
 
@@ -72,7 +67,7 @@ class SourceConfig(Section):
     def _resolves(cls, v: str) -> str:
         path = Path(v).expanduser()
         text = str(path if path.is_absolute() else Path.cwd() / path)
-        if not _has_magic(text) and not Path(text).exists():
+        if not safe_read.has_magic(text) and not Path(text).exists():
             raise ValueError(f"not found: {text} (check the path; relative paths start at the current directory)")
         return text
 
@@ -85,14 +80,15 @@ class SourceConfig(Section):
         """The files this source reads, sorted (a save_to_disk directory: its own files, for the cache key)."""
         root = Path(self.path)
         if is_hf_dataset(root):
-            return sorted(p for p in root.rglob("*") if p.is_file())
-        if _has_magic(self.path):
-            found = [Path(p) for p in glob.glob(self.path, recursive=True)]
+            return safe_read.unique_files([p for p in safe_read.walk_files(root) if p.is_file()])
+        if safe_read.has_magic(self.path):
+            found = safe_read.glob_files(self.path)
         elif root.is_dir():
-            found = [p for p in root.rglob("*") if p.is_file()]
+            found = list(safe_read.walk_files(root))
         else:
             found = [root]
-        usable = sorted(p for p in found if p.is_file() and file_type(p))
+        # a file reached twice through links is read once, under its first name in sorted order
+        usable = safe_read.unique_files([p for p in found if p.is_file() and file_type(p)])
         if not usable:
             unsupported = sorted({p.suffix or p.name for p in found if p.is_file()})
             raise ValueError(f"{self.path}: no files to read{' (found ' + ', '.join(unsupported) + ')' if unsupported else ''}; "
@@ -177,7 +173,9 @@ def resolve_format(kind: str, src: SourceConfig) -> str:
 
 
 def load_hf(src: SourceConfig):
-    """A `datasets` Dataset from a save_to_disk directory (the split of a DatasetDict)."""
+    """A `datasets` Dataset from a save_to_disk directory (the split of a DatasetDict), memory-mapped;
+    refused, naming the column, when a column is of an extension type (`safe_read.extension_problem`),
+    before any value is read."""
     import datasets
 
     loaded = datasets.load_from_disk(src.path)
@@ -186,24 +184,46 @@ def load_hf(src: SourceConfig):
         if split not in loaded:
             raise ValueError(f"{src.path}: no split {split!r} in this DatasetDict (it has {', '.join(loaded)}); "
                              "set `split:` on the source")
-        return loaded[split]
+        loaded = loaded[split]
+    problem = safe_read.extension_problem(loaded.data.schema)
+    if problem:
+        raise ValueError(f"{src.path}: {problem}")
     return loaded
 
 
+def check_file(path: Path) -> None:
+    """Raise ValueError naming the file unless Ray may read it: no column of an extension type in a
+    Parquet file, whole gzip data within the cap in a .gz file. Run on the driver before Ray reads it."""
+    problem = (safe_read.parquet_problem(path) if file_type(path) == "parquet"
+               else safe_read.gzip_problem(path) if path.name.lower().endswith(".gz") else None)
+    if problem:
+        raise ValueError(f"{path}: {problem}")
+
+
 def json_array_records(path: Path) -> list[dict]:
-    """A JSON array file's items as `text` records (an item that is not an object stays, to be counted bad);
-    a file that is not valid JSON at all is an error naming it."""
-    with open_text(path) as f:
-        try:
-            items = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-    return [{"text": json.dumps(item)} for item in items]
+    """A JSON array file's items as `text` records, parsed one item at a time (an item that is not an
+    object stays, to be counted bad); a malformed or too large array, or an item nested too deeply to
+    find its end, is an error naming the file."""
+    out: list[dict] = []
+    try:
+        with open_text(path) as f:
+            for _, item in safe_read.json_array_items(f):
+                out.append({"text": item})
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: row {len(out) + 1}: invalid JSON (nested too deeply to parse, so the array "
+                         "cannot be read past it); fix or remove that item") from None
+    except safe_read.ArrayTooLarge:
+        raise ValueError(f"{path}: {safe_read.array_too_large()}") from None
+    return out
 
 
 def read_source(src: SourceConfig) -> list[tuple[object, bool]]:
     """Lazy Ray datasets of the source's raw rows, each with whether it holds JSON text: a `text` column
-    of JSON records for JSON files, the file's own columns for Parquet, CSV and save_to_disk datasets."""
+    of JSON records for JSON files, the file's own columns for Parquet, CSV and save_to_disk datasets.
+    Every file is checked first (`check_file`): a refused one raises ValueError naming it."""
+    import pyarrow.csv
     import ray.data
 
     from stages.common.parquet import read_parquet
@@ -212,19 +232,21 @@ def read_source(src: SourceConfig) -> list[tuple[object, bool]]:
         return [(ray.data.from_arrow(load_hf(src).with_format("arrow")[:]), False)]  # memory-mapped; indices applied
     by_type: dict[str, list[Path]] = {}
     for f in src.files():
+        check_file(f)
         by_type.setdefault(file_type(f), []).append(f)
     parts: list[tuple[object, bool]] = []
-    for typ, files in by_type.items():
+    for typ, paths in by_type.items():
         if typ == "parquet":
-            parts.append((read_parquet(files), False))
-        elif typ == "csv":
-            parts.append((ray.data.read_csv([str(f) for f in files]), False))
+            parts.append((read_parquet(paths), False))
+        elif typ == "csv":  # a block holds at least one whole row: a row over the cap fails the read, then is named
+            options = pyarrow.csv.ReadOptions(use_threads=False, block_size=safe_read.MAX_RECORD_BYTES)
+            parts.append((ray.data.read_csv([str(f) for f in paths], read_options=options), False))
         else:
-            lines = [f for f in files if not is_json_array(f)]
+            lines = [f for f in paths if not is_json_array(f)]
             if lines:
                 parts.append((ray.data.read_text([str(f) for f in lines]), True))
-            for f in files:
-                if f not in lines:  # a JSON array is one document: any reader parses it whole, so the driver does
+            for f in paths:
+                if f not in lines:  # a JSON array is one document: the driver parses it, item by item
                     parts.append((ray.data.from_items(json_array_records(f)), True))
     return parts
 
