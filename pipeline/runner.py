@@ -168,6 +168,28 @@ def _sigterm_as_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
+def _stray_worker() -> None:
+    """Fault drill (PIPELINE_FAULT_STRAY_WORKER=<stage>): an actor that leaves as Ray Train's controller
+    does when aborted (`exit_actor`), and whose exit then blocks, as a finalizer stuck in interpreter
+    teardown does. Once told to exit, a worker is neither killed by its raylet at shutdown nor watches
+    it: without `cluster.shutdown_ray`'s sweep, this process outlives the run (issue 48, item 8)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StrayWorker:
+        def leave(self) -> None:
+            import atexit
+            import time
+
+            atexit.register(time.sleep, 10**6)
+            ray.actor.exit_actor()
+
+    try:
+        ray.get(StrayWorker.remote().leave.remote(), timeout=120)
+    except ray.exceptions.RayActorError:  # what the caller of an actor that exited sees
+        pass
+
+
 def _run_stage(store: storage.ArtifactStore, p: PlannedStage, ctx: RunContext) -> dict:
     """Execute one missed stage in a clean work directory and commit it as the artifact.
 
@@ -181,6 +203,9 @@ def _run_stage(store: storage.ArtifactStore, p: PlannedStage, ctx: RunContext) -
     start = time.time()
     if os.environ.get("PIPELINE_FAULT_IN_STAGE") == name:  # fault drills: a stage that crashes
         raise RuntimeError(f"injected fault in stage '{name}' (PIPELINE_FAULT_IN_STAGE)")
+    if os.environ.get("PIPELINE_FAULT_STRAY_WORKER") == name:  # a Ray worker whose exit never ends
+        ctx.ray()
+        _stray_worker()
     outputs = load_stage(p.spec.module).run(p.config if p.config is not None else get_path(ctx.pipeline, p.spec.config),
                                             ctx)
     missing = [o for o in p.spec.outputs if o not in outputs or not Path(outputs[o]).exists()]
@@ -362,7 +387,7 @@ def _run_plan(cfg: PipelineConfig, config_path: Path, console, planner: Planner,
         if summary["started_ray"] or (ctx is not None and ctx.started_ray):
             from pipeline.cluster import shutdown_ray
 
-            shutdown_ray()
+            shutdown_ray(lambda message: console.print(f"[yellow]{message}[/]"))
 
 
 def _input_manifest(store: storage.ArtifactStore, up: PlannedStage, ready: dict[str, dict], console) -> dict:

@@ -341,5 +341,5 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
     finally:
         tracker.end(tracker.parent_id, status)
         if started:
-            shutdown_ray()
+            shutdown_ray(log)
     return summary, output

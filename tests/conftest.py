@@ -231,10 +231,17 @@ def smoke_cli(tmp_path_factory):
     Every test that needs a finished pipeline shares it: the CLI end-to-end and MLflow UI checks read
     its console and run store, and `smoke_trained` (so the sft, reward, ppo, cluster and data tests)
     seeds its artifacts. Its tracking store is its own: `sqlite:///<run_dir>/mlflow.db`."""
+    from helpers.procs import watched
+
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not the session's
-    result = subprocess.run([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", *CLI_RUN],
-                            cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
+    # Watched: the processes it started, and which of them outlived it (tests/test_run_ends_processes.py).
+    run = watched([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", *CLI_RUN], ROOT, env,
+                  timeout=1200, separate_stderr=True)
+    left = run.left_running()
+    run.end_left_running()  # processes this fixture started, by PID; the test names them
+    result = subprocess.CompletedProcess(run.args, run.returncode, run.output, run.stderr)
+    result.started, result.left_running = run.seen, left
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     _SHARED["trained"] = run_dir
     return run_dir, result

@@ -85,7 +85,34 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
                 k: v for k, v in os.environ.items() if k.startswith("PIPELINE_FAULT_")}}},
         ),
     )
-    return trainer.fit()
+    return fit_and_end_controller(trainer)
+
+
+def fit_and_end_controller(trainer):
+    """`trainer.fit()`, with its TrainController ended when it returns, and Ctrl-C left to the pipeline.
+
+    Ray Train V2 (DataParallelTrainer._register_sigint_handler) gives the driver a SIGINT handler that
+    closes over the controller's handle and is never taken back. It kept each stage's controller alive
+    after its fit (~400 MB) until the next stage's fit replaced the handler, which then let the
+    controller go out of scope: a graceful exit that, if it blocks, leaves the process running past
+    `ray.shutdown()`, reparented to init (issue 48, item 8; `pipeline.cluster.shutdown_ray` ends such
+    stragglers). And it swallowed Ctrl-C: the first one aborted the controller, which the driver saw as
+    SystemExit(1) from `ray.get` (exit 1, not 130); after the stage the aborts went to a finished
+    controller and the run went on. So the handle is kept here instead, Python's own SIGINT handling
+    (KeyboardInterrupt: the runner's cleanup, exit 130) stays, and the controller is killed as fit
+    returns or raises (`ray.kill`: no graceful exit to block; its workers, which it owns, go with it)."""
+    import ray
+
+    controllers: list = []
+    trainer._register_sigint_handler = controllers.append  # called with the controller, on the main thread only
+    try:
+        return trainer.fit()
+    finally:
+        for controller in controllers:
+            try:
+                ray.kill(controller)
+            except Exception:  # noqa: BLE001 - Ray already gone (a failed run's shutdown): nothing left to kill
+                pass
 
 
 def tokenizer_and_ray(model_dir: Path, ctx):

@@ -430,4 +430,4 @@ def serve_model(cfg: ServeConfig, model: str, tracking_uri: str, cache_dir: Path
             wait_for_interrupt(log, url)
     finally:
         if started:
-            shutdown_ray()
+            shutdown_ray(log)
