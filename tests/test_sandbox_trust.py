@@ -70,6 +70,10 @@ def test_a_weak_tier_is_refused_for_model_written_code_unless_the_config_opts_in
     info = sandbox.check_isolation(True, "code_tests reward", lines.append)  # opted in: proceeds, with a warning
     assert info["sandbox_tier"] == "rlimits" and info["sandbox_strong"] == "false"
     assert len(lines) == 1 and lines[0].startswith("warning:") and "allow_weak" in lines[0]
+    # which configurations run model-written code (and so are checked at the stage's start)
+    assert sandbox.model_code_users("verifier", None) == "" and sandbox.model_code_users("pkg:fn", "calculator") == ""
+    assert sandbox.model_code_users("code_tests", "python") == "code_tests reward and python tool"
+    assert sandbox.model_code_users("verifier", "python") == "python tool"
     # the key is typed and off by default
     assert PPOConfig().sandbox.allow_weak is False
     assert PPOConfig.model_validate({"sandbox": {"allow_weak": True}}).sandbox.allow_weak is True
