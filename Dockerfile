@@ -15,8 +15,11 @@ ARG EXTRA=gpu
 # CPU builds take torch's CPU wheel; GPU builds take PyPI's default (CUDA) wheel.
 ARG TORCH_INDEX_URL=""
 
+# bubblewrap: the sandbox of model-written code (code_tests, the python tool; docs/security.md). Running it needs
+# unprivileged user namespaces: docker run --security-opt seccomp=unconfined --security-opt apparmor=unconfined
+# --security-opt systempaths=unconfined (Kubernetes: the securityContext in docs/security.md).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make gcc g++ git libtcmalloc-minimal4 \
+    && apt-get install -y --no-install-recommends make gcc g++ git libtcmalloc-minimal4 bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 
 RUN useradd --create-home --uid 1000 app

@@ -209,6 +209,16 @@ class EnvironmentConfig(Section):
         return v
 
 
+class SandboxConfig(Section):
+    """The sandbox model-written code runs in: the code_tests reward and the python tool (docs/security.md)."""
+
+    allow_weak: bool = Field(False, description="Run model-written code (rewards.rule: code_tests, environment.name: "
+                             "python) even where only a weak sandbox tier works (unshare+rlimits+uid, "
+                             "userns-net+rlimits, rlimits: they cannot hide the filesystem, and the weakest neither "
+                             "the network nor the parent's environment). Off: the stage refuses to start there, "
+                             "naming the tier and how to get bubblewrap working (docs/security.md).")
+
+
 class PPOConfig(Section):
     """The ppo stage: algorithm, rollouts, roles and schedule."""
 
@@ -240,6 +250,8 @@ class PPOConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Rollout sampling.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="vLLM rollout engines.")
     rewards: RewardMix = Field(default_factory=RewardMix, description="Reward model and rule reward.")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="The sandbox of model-written code "
+                                   "(code_tests, the python tool).")
     environment: EnvironmentConfig | None = Field(None, description="Multi-turn rollouts with tools or an "
                                                   "environment (empty: one prompt -> one completion). The rule "
                                                   "reward and the held-out evaluation read the last assistant turn.")

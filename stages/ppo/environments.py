@@ -177,6 +177,9 @@ class Python(ToolEnvironment):
     """One tool, `python(code)`: runs the code in the sandbox and returns what it printed."""
 
     def __init__(self, timeout_s: float = 5.0):
+        from stages.ppo.sandbox import announce
+
+        announce("python tool")  # the sandbox tier, once per process (the engines' too)
         self.tools = {"python": lambda code: run_python(code, timeout_s)}
 
 
