@@ -158,6 +158,7 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
     from stages.common.engines import EnginePool, EngineSpec
     from stages.common.models import load_tokenizer, saved_heads
     from stages.ppo.rewards import ErrorBudget
+    from stages.ppo.sandbox import check_isolation, model_code_users
     from stages.ppo.scoring import rule_reward
 
     # The policy starts from the SFT model (the base model in a pipeline without sft); the critic from the
@@ -168,6 +169,9 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
+    users = model_code_users(cfg.rewards.rule, cfg.environment.name if cfg.environment else None)
+    if users:  # model-written code runs in this stage: a weak sandbox is refused now; the tier goes on the run
+        ctx.set_tags(check_isolation(cfg.sandbox.allow_weak, users, ctx.progress))
     rule = rule_reward(cfg.rewards.rule, ctx.pipeline.task.verifier, cfg.rewards, ctx.progress)
     clock.mark("driver")
     # Loading the tokenizer (importing transformers, ~4 s of CPU) overlaps Ray's start-up, which mostly

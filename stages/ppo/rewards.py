@@ -202,6 +202,9 @@ class RewardWorker:
     """A Ray actor holding the user's function; scores one call at a time (the driver keeps the deadline)."""
 
     def __init__(self, spec: str, path: str | None, kind: str = "reward"):
+        from stages.ppo.sandbox import make_undumpable
+
+        make_undumpable()  # its environment holds the run's secrets; code_tests' sandboxes are its children
         if path and path not in sys.path:
             sys.path.insert(0, path)
         self.call = load(spec, kind)
@@ -251,10 +254,6 @@ class RuleReward:
             return
         if self.spec == "verifier":  # the user's verifier: their code, run as a reward function is
             self.spec, self._kind = self.verifier, "verifier"
-        elif self.spec == "code_tests":  # say how untrusted code is isolated here (a weak fallback shows)
-            from stages.ppo.sandbox import interpreter, isolation
-
-            self.log(f"code_tests: responses run sandboxed ({isolation()}, {interpreter()})")
         self.spec = BUILTIN.get(self.spec, self.spec)
         load(self.spec, self._kind)  # fail fast here, with the config key, not in a worker
         self._budget = ErrorBudget(self.name, self.max_error_share)
