@@ -305,3 +305,20 @@ def test_extract_code_keeps_the_regex_behaviour():
     for _ in range(3000):
         text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 14)))
         assert extract_code(text) == _old_extract_code(text), repr(text)
+
+
+@pytest.mark.slow
+def test_a_ppo_stage_running_model_code_refuses_a_weak_sandbox_before_training(smoke_upstream, tmp_path):
+    """From the command line, as a user meets it: code_tests on a machine where only rlimits works stops the
+    stage at its start (exit 2, before Ray or any engine), naming the tier, the fix and the opt-in key."""
+    from conftest import SMOKE, run_cli
+
+    run_dir = smoke_upstream(tmp_path / "run")
+    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--to", "ppo", "stages.sft=null", "stages.reward=null",
+                     "stages.ppo.rewards.rule=code_tests", "stages.ppo.rewards.model_weight=0",
+                     env={"PIPELINE_SANDBOX": "rlimits"})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    for part in ("code_tests reward", "'rlimits'", "bubblewrap", "stages.ppo.sandbox.allow_weak"):
+        assert part in result.stderr
+    assert "starting 2 vLLM engines" not in result.stdout
+    assert not list((run_dir / "artifacts" / "ppo").glob("*/manifest.json"))
