@@ -17,6 +17,7 @@ import pytest
 
 from stages.ppo import sandbox
 from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
+from helpers.sandbox_tiers import WORKING
 
 SAMPLE = [json.loads(line) for line in (Path(__file__).parent / "helpers" / "mbpp_sample.jsonl").open()]
 LIMITS = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=256, output_bytes=65536, processes=8)
@@ -32,20 +33,6 @@ STOPS = {"bwrap+rlimits+uid": FULL, "unshare+rlimits+uid": FULL,
          "userns-net+rlimits": {"socket"}, "rlimits": set()}
 
 
-def _works(tier: str) -> bool:
-    """Whether `tier` can be built on this machine (its one-off probe)."""
-    old = os.environ.get(sandbox.ENV_VAR)
-    os.environ[sandbox.ENV_VAR] = tier
-    try:
-        sandbox.isolation()
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        os.environ.pop(sandbox.ENV_VAR) if old is None else os.environ.__setitem__(sandbox.ENV_VAR, old)
-
-
-WORKING = [t for t in sandbox.TIERS if _works(t)]
 
 
 def stopping(case: str) -> list[str]:

@@ -21,6 +21,7 @@ import pytest
 
 from stages.ppo import sandbox
 from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
+from helpers.sandbox_tiers import WORKING
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = [json.loads(line) for line in (Path(__file__).parent / "helpers" / "mbpp_sample.jsonl").open()]
@@ -28,19 +29,6 @@ ADD = SAMPLE[0]
 LIMITS = SandboxLimits(cpu_s=2, wall_s=4, memory_mb=256, processes=8)
 
 
-def _works(tier: str) -> bool:
-    old = os.environ.get(sandbox.ENV_VAR)
-    os.environ[sandbox.ENV_VAR] = tier
-    try:
-        sandbox.isolation()
-        return True
-    except RuntimeError:
-        return False
-    finally:
-        os.environ.pop(sandbox.ENV_VAR) if old is None else os.environ.__setitem__(sandbox.ENV_VAR, old)
-
-
-WORKING = [t for t in sandbox.TIERS if _works(t)]
 BWRAP = [t for t in WORKING if t.startswith("bwrap")]
 CONTAINED = [t for t in WORKING if t != "rlimits" and t != "userns-net+rlimits"]  # claim: no write survives
 
