@@ -221,3 +221,21 @@ def test_a_stage_stopped_by_failing_user_code_exits_1_with_its_message_and_no_tr
     assert cli.main(["validate", str(ROOT / "configs" / "full.yaml")]) == 1
     err = capsys.readouterr().err
     assert "failed on 4 of 4 calls" in err and "stage 'ppo' failed" in err and "Traceback" not in err
+
+
+def test_an_environment_that_breaks_its_protocol_on_most_episodes_stops_the_stage():
+    from pipeline.errors import StageError
+    from stages.ppo.rewards import ErrorBudget
+
+    rows = [{"prompt": "What is 2+2?", "answer": "4", "extra": json.dumps({"level": 1})},
+            {"prompt": "What is 3+3?", "answer": "6"}]
+    bad = "ValueError: Step.reward must be a finite number, got nan"
+    budget = ErrorBudget("the environment my_env:Env", 0.5)
+    budget.check_episodes([{"env_error": ""}, {"env_error": bad}, {"env_error": ""}, {"env_error": ""}], rows)
+    assert budget.failed == 1  # one of four: counted, the run goes on
+    with pytest.raises(StageError) as exc:
+        budget.check_episodes([{"env_error": ""}, {"env_error": bad}, {"env_error": bad}, {"env_error": bad}], rows)
+    for part in ("the environment my_env:Env", "3 of 4", "Step.reward must be a finite number", "What is 2+2?",
+                 "stages.ppo.rewards.max_error_share"):
+        assert part in str(exc.value)
+    budget.check_episodes([{"ids": [1]}], rows)  # single-turn samples: nothing to check
