@@ -230,12 +230,12 @@ def test_an_environment_that_breaks_its_protocol_on_most_episodes_stops_the_stag
     rows = [{"prompt": "What is 2+2?", "answer": "4", "extra": json.dumps({"level": 1})},
             {"prompt": "What is 3+3?", "answer": "6"}]
     bad = "ValueError: Step.reward must be a finite number, got nan"
-    budget = ErrorBudget("the environment my_env:Env", 0.5)
+    budget = ErrorBudget("the environment my_env:Env", 0.5, "episodes")
     budget.check_episodes([{"env_error": ""}, {"env_error": bad}, {"env_error": ""}, {"env_error": ""}], rows)
     assert budget.failed == 1  # one of four: counted, the run goes on
     with pytest.raises(StageError) as exc:
         budget.check_episodes([{"env_error": ""}, {"env_error": bad}, {"env_error": bad}, {"env_error": bad}], rows)
-    for part in ("the environment my_env:Env", "3 of 4", "Step.reward must be a finite number", "What is 2+2?",
+    for part in ("the environment my_env:Env", "3 of 4 episodes", "Step.reward must be a finite number", "What is 2+2?",
                  "stages.ppo.rewards.max_error_share"):
         assert part in str(exc.value)
     budget.check_episodes([{"ids": [1]}], rows)  # single-turn samples: nothing to check

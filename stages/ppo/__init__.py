@@ -205,7 +205,7 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
                      + ("" if heads > 1 else " (one head: nothing to combine; set stages.reward.heads)"))
     if cfg.environment:
         s.episode = _episode_spec(cfg)
-        s.env_budget = ErrorBudget(f"the environment {cfg.environment.name}", cfg.rewards.max_error_share)
+        s.env_budget = ErrorBudget(f"the environment {cfg.environment.name}", cfg.rewards.max_error_share, "episodes")
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,

@@ -101,6 +101,7 @@ class ErrorBudget:
 
     name: str  # e.g. "the rule reward my_reward:score"
     max_share: float = 0.5
+    unit: str = "calls"  # what a batch is made of: calls of a function, an environment's episodes
     batches: int = 0
     failed: int = 0  # over the run
 
@@ -108,7 +109,7 @@ class ErrorBudget:
         self.batches += 1
         self.failed += failed
         if over_budget(failed, calls, self.max_share, first=self.batches == 1):
-            raise StageError(f"{self.name} failed on {failed} of {calls} calls of one batch{counts}; the stage stops "
+            raise StageError(f"{self.name} failed on {failed} of {calls} {self.unit} of one batch{counts}; the stage stops "
                              f"rather than train on failures. First failure: {first.strip().splitlines()[-1] if first.strip() else 'unknown'}"
                              f"{', on ' + describe_row(row) if row is not None else ''}. Fix the code, or raise "
                              f"{SHARE_KEY} (now {self.max_share:g}) to train through failures")
