@@ -109,10 +109,11 @@ class ErrorBudget:
         self.batches += 1
         self.failed += failed
         if over_budget(failed, calls, self.max_share, first=self.batches == 1):
-            raise StageError(f"{self.name} failed on {failed} of {calls} {self.unit} of one batch{counts}; the stage stops "
-                             f"rather than train on failures. First failure: {first.strip().splitlines()[-1] if first.strip() else 'unknown'}"
-                             f"{', on ' + describe_row(row) if row is not None else ''}. Fix the code, or raise "
-                             f"{SHARE_KEY} (now {self.max_share:g}) to train through failures")
+            what = first.strip().splitlines()[-1] if first.strip() else "unknown"  # a traceback's last line
+            where = f", on {describe_row(row)}" if row is not None else ""
+            raise StageError(f"{self.name} failed on {failed} of {calls} {self.unit} of one batch{counts}; the stage "
+                             f"stops rather than train on failures. First failure: {what}{where}. Fix the code, or "
+                             f"raise {SHARE_KEY} (now {self.max_share:g}) to train through failures")
 
     def check_episodes(self, flat: list[dict], rows: list[dict]) -> None:
         """An iteration's episodes (`sampling.n` per row): those whose environment broke its protocol."""
@@ -362,7 +363,7 @@ class RuleReward:
         errors = sum(status == "error" for status, _, _ in results)
         timeouts = sum(status == "timeout" for status, _, _ in results)
         failures = [Failure(st, detail, row) for (st, _, detail), row in zip(results, rows) if st != "ok"]
-        first = next((f for f in failures if f.status == "error"), failures[0] if failures else None)  # a traceback first
+        first = next((f for f in failures if f.status == "error"), failures[0] if failures else None)  # traceback first
         for key, n in (("rule_errors", errors), ("rule_timeouts", timeouts)):
             self._counts[key] += n
             self._totals[key] += n
