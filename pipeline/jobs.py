@@ -142,10 +142,12 @@ class DeadlinePassed(Exception):
     """`follow` gave up: the job was still running at its deadline."""
 
 
-def follow(address: str | None, job_id: str, out=sys.stdout, poll_s: float = 2.0,
+def follow(address: str | None, job_id: str, out=None, poll_s: float = 2.0,
            deadline_s: float | None = None) -> str:
     """Print the job's log as it grows until the job ends; return its final status.
-    With `deadline_s`: raise `DeadlinePassed` if it is still running that many seconds from now."""
+    With `deadline_s`: raise `DeadlinePassed` if it is still running that many seconds from now. `out` defaults
+    to the sys.stdout of the call (not of the import: a stream replaced since, then closed, would be written to)."""
+    out = sys.stdout if out is None else out
     jobs = client(address)
     shown = 0
     end = None if deadline_s is None else time.time() + deadline_s
