@@ -240,6 +240,7 @@ class RuleReward:
     log: Callable[[str], None] = print
     max_error_share: float = 0.5
     _local: Callable | None = None  # a built-in verifier, in this process
+    _bound: Callable | None = None  # a user's function as loaded here (to fail fast, and for one-off calls)
     _kind: str = "reward"  # what the workers load: "reward" (rewards.rule) or "verifier" (task.verifier)
     _actors: list = field(default_factory=list)
     _counts: dict = field(default_factory=lambda: {"rule_timeouts": 0, "rule_errors": 0})
@@ -257,7 +258,7 @@ class RuleReward:
         if self.spec == "verifier":  # the user's verifier: their code, run as a reward function is
             self.spec, self._kind = self.verifier, "verifier"
         self.spec = BUILTIN.get(self.spec, self.spec)
-        load(self.spec, self._kind)  # fail fast here, with the config key, not in a worker
+        self._bound = load(self.spec, self._kind)  # fail fast here, with the config key, not in a worker
         self._budget = ErrorBudget(self.name, self.max_error_share)
 
     @property
@@ -378,7 +379,7 @@ class RuleReward:
 
     def __call__(self, prompt: str, response: str, answer: str) -> float:
         """One response, scored in this process without the workers or a timeout (a one-off check)."""
-        call = self._local if self._local is not None else load(self.spec, self._kind)
+        call = self._local if self._local is not None else self._bound
         return finite_score(call(prompt, response, {"prompt": prompt, "answer": answer}))
 
     def counts(self) -> dict[str, int]:
