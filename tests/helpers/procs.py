@@ -76,7 +76,12 @@ def watched(cmd: list[str], cwd: Path, env: dict, timeout: float, interrupt_on: 
             for pid in process_tree(proc.pid)[1:]:
                 st = _stat(pid)
                 if st is not None and st[0] != "Z" and (pid not in seen or seen[pid][0] == st[1]):
-                    seen[pid] = (st[1], _cmdline(pid))  # read again: a Ray worker renames itself ray::Class
+                    # read again: a Ray worker renames itself ray::Class. A process caught while exiting
+                    # (not yet a zombie) reads as "" or "?": it keeps the name it had.
+                    name = _cmdline(pid)
+                    if name in ("", "?") and pid in seen:
+                        name = seen[pid][1]
+                    seen[pid] = (st[1], name)
             done.wait(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)
