@@ -42,7 +42,8 @@ def test_episodes_mask_the_environment_match_the_trainer_and_survive_tools_that_
     from stages.common.engines import EnginePool, EngineSpec, weights_to_numpy
     from stages.common.models import load_tokenizer
     from stages.ppo import rl
-    from stages.ppo.episodes import AgentEngine, EpisodeSpec
+    from stages.common.engines import EngineStalled
+    from stages.ppo.episodes import STALL_GRACE_S, AgentEngine, EpisodeSpec, run_episodes
     from stages.ppo.rewards import import_root
     from stages.ppo.scoring import rollout_batch
 
@@ -68,10 +69,14 @@ def test_episodes_mask_the_environment_match_the_trainer_and_survive_tools_that_
         # stop_token_ids, finish_reason "stop"), so every turn is a finished one and reaches the environment.
         sampling = {"n": 2, "temperature": 1.0, "max_tokens": 16, "seed": 5, "logprobs": 0,
                     "stop_token_ids": list(range(3, len(tok), 2))}
-        t0 = time.time()
-        groups = ray.get(pool.engines[0].episodes.remote(prompts, rows, sampling, spec), timeout=120)
+        t0, said = time.time(), []
+        groups = run_episodes(pool.engines, [prompts], [rows], sampling, spec, log=said.append)
         took = time.time() - t0
         assert took < 40, took  # the hung tool (60 s) was abandoned at tool_timeout_s, not waited for
+        # ... but its thread still sleeps in the engine: the engine was replaced after its answer (issue 48, item 6)
+        assert said == ["rollout engine replaced after this call: 2 call(s) of the environment "
+                        "helpers.environments:Misbehaving still running after tool_timeout_s=3 s"], said
+        assert pool.revive() == [0]
         by_kind = dict(zip(kinds, groups))
         for kind, group in by_kind.items():
             assert len(group) == 2
@@ -111,6 +116,19 @@ def test_episodes_mask_the_environment_match_the_trainer_and_survive_tools_that_
         # ... and not on the environment's tokens, which the engine never sampled (their log-probs are 0 there)
         env = (mask == 0) & (batch["attention_mask"][:, p:] == 1)
         assert (trainer[env] - engine[env]).abs().max() > 0.1
+
+        # A step holding the interpreter (no thread can stop it, and the engine's own loop stops with it): the
+        # follower kills the engine soon after the call's timeout; restarted, it answers with the synced weights.
+        spec = EpisodeSpec("helpers.environments:Misbehaving", max_turns=2, max_tokens=200, tool_timeout_s=2,
+                           path=spec.path)
+        held = [{**rows[0], "kind": "hold"}, rows[3]]
+        t0 = time.time()
+        with pytest.raises(EngineStalled, match="while the environment helpers.environments:Misbehaving ran"):
+            run_episodes(pool.engines, [prompts[::3]], [held], sampling, spec)
+        assert time.time() - t0 < 2 + STALL_GRACE_S + 15, time.time() - t0
+        assert pool.revive() == [0]
+        groups = run_episodes(pool.engines, [prompts[3:]], [rows[3:]], sampling, spec)
+        assert [s["version"] for s in groups[0]] == [1, 1] and groups[0][0]["env_reward"] == 1.0
     finally:
         pool.shutdown()
 

@@ -187,3 +187,65 @@ def test_the_calculator_task_shows_the_tool_on_its_share_of_the_same_problems():
     assert result == {"role": "tool", "content": str(int(a) * int(b)), "tool_calls": None}
     assert answer["content"] == f"The answer is {int(a) * int(b)}."
     assert all(set(m) == {"role", "content", "tool_calls"} for r in tools for m in r["messages"])  # one Arrow schema
+
+
+# --------------------------------------------------------------------------- an engine stalled by its environment
+
+
+def test_an_episodes_call_promises_a_tight_next_beat_whenever_the_users_code_may_run(monkeypatch):
+    """The follower kills an engine silent past its last promise (issue 48, item 6). While the user's code may
+    run the promise is the oldest call's remaining timeout + grace, so a step holding the interpreter is caught
+    soon after its timeout; while only vLLM runs it is loose, so a long prefill is never taken for a stall."""
+    from stages.ppo import episodes
+    from stages.ppo.episodes import STALL_GRACE_S, VLLM_SILENCE_S, _Heartbeat
+
+    now = [1000.0]
+    monkeypatch.setattr(episodes.time, "time", lambda: now[0])
+    clock = _Heartbeat(timeout_s=5)
+    assert clock.beat(user_code=True) == {"within": 5 + STALL_GRACE_S}  # constructors and resets next
+    now[0] += 0.1
+    assert clock.beat(user_code=True) is None  # the same promise, said 0.1 s ago
+    assert clock.beat() == {"within": VLLM_SILENCE_S}  # only vLLM next (the first prefill): loosened at once
+    clock.stepped(4.0)
+    now[0] += 0.1
+    assert clock.beat(user_code=True, force=True) == {"within": 5 + STALL_GRACE_S + 12}  # calls start next
+    now[0] += 3
+    assert clock.beat(oldest=now[0] - 2) == {"within": 3 + STALL_GRACE_S + 12}  # the oldest call started 2 s ago
+    now[0] += 10
+    assert clock.beat(oldest=now[0] - 12) == {"within": STALL_GRACE_S + 12}  # past its timeout: abandoned next step
+
+
+def test_an_engine_stalled_on_every_attempt_stops_the_stage_naming_the_environment_and_the_fix():
+    from pipeline.errors import StageError
+    from stages.common.engines import EnginePool, EngineStalled
+    from stages.ppo.episodes import EpisodeSpec, retrying
+
+    class Pool:  # EnginePool's retry, with engines that are always found dead (killed by the follower)
+        retrying, restarts = EnginePool.retrying, 0
+
+        def revive(self):
+            self.restarts += 1
+            return [0]
+
+    def stalls(times):
+        calls = []
+
+        def call():
+            calls.append(1)
+            if len(calls) <= times:
+                raise EngineStalled("a rollout engine stopped answering while the environment my_env:Env ran")
+            return "samples"
+        return call
+
+    said, spec = [], EpisodeSpec("my_env:Env", tool_timeout_s=7)
+    assert retrying(Pool(), stalls(2), spec, said.append) == "samples"  # twice stalled, then answered
+    assert len(said) == 2 and "rollout engine(s) [0] restarted and re-synced after a rollout engine stopped" in said[0]
+    pool = Pool()
+    with pytest.raises(StageError) as exc:
+        retrying(pool, stalls(3), spec, said.append)
+    assert pool.restarts == 3
+    for part in ("the environment my_env:Env stalled its rollout engine on 3 attempts", "tool_timeout_s (7 s)",
+                 "stages.ppo.environment.tool_timeout_s", "subprocess"):
+        assert part in str(exc.value)
+    with pytest.raises(EngineStalled):  # single-turn rollouts have no environment to blame: the error as raised
+        retrying(Pool(), stalls(3), None, said.append)

@@ -25,6 +25,12 @@ Why these choices (docs/architecture.md, facts 4 and 8):
   as bf16 on arrival (still zero-copy).
 
 The same code runs on a GPU (vLLM CUDA build, `num_gpus=1` per engine): only `EngineSpec` changes.
+
+Calls that run the user's code on an engine (multi-turn episodes: stages/ppo/episodes.py) are
+*followed* (`follow`): the engine streams heartbeats, each promising when the next comes, and a call
+silent past its promise is killed with its engine (`EngineStalled`). A thread cannot stop code that
+holds the interpreter (C code, a regex in catastrophic backtracking); only ending the process does,
+and Ray can end an actor whatever it runs. `EnginePool.retrying` restarts the killed engine.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EXTENSION = "stages.common.engines.WeightSyncExtension"
+HEARTBEAT_S = 1.0  # a followed call reports at least this often while its loop runs
 BF16_TAG = "__bf16__"
 
 
@@ -226,6 +233,64 @@ def _sample(completion) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- followed calls
+
+
+class EngineStalled(RuntimeError):
+    """A followed call went silent past what its last heartbeat promised: its engine was killed."""
+
+
+def follow(calls: list[tuple[Any, Any]], what: str, log=print) -> list:
+    """The results of streaming engine calls, in order: `calls` is [(engine, ObjectRefGenerator)].
+
+    Each call yields heartbeats `{"within": s}` (its next item comes within s seconds unless it is
+    stuck) and ends with `{"result": r, "retire": reason}`. A call silent past its last promise is
+    stuck in code it cannot interrupt: its engine is killed and `EngineStalled` names `what` ran there.
+    A non-empty `retire` (threads of the user's code it abandoned still run in it) kills the engine
+    after its result is taken, so they end too. A call that has not beaten yet is queued behind
+    another on the same engine (ranks sharing engines), which is itself followed: no deadline yet.
+    Either way `EnginePool.revive` (through `retrying`, or the next weight sync) restarts the engine.
+    """
+    import ray
+
+    results: list = [None] * len(calls)
+    deadline: list[float | None] = [None] * len(calls)
+    pending = list(range(len(calls)))
+    while pending:
+        ray.wait([calls[i][1] for i in pending], num_returns=1, timeout=HEARTBEAT_S)
+        for i in list(pending):
+            engine, gen = calls[i]
+            while ray.wait([gen], timeout=0)[0]:
+                item = ray.get(next(gen))
+                if "result" in item:
+                    results[i] = item["result"]
+                    pending.remove(i)
+                    if item.get("retire"):
+                        log(f"rollout engine replaced after this call: {item['retire']}")
+                        ray.kill(engine, no_restart=True)
+                    break
+                deadline[i] = time.time() + float(item["within"])
+            if i in pending and deadline[i] is not None and time.time() > deadline[i]:
+                ray.kill(engine, no_restart=True)
+                raise EngineStalled(
+                    f"a rollout engine stopped answering while {what} ran: a call held the interpreter past its "
+                    f"timeout (C code such as a regex in catastrophic backtracking, which no thread can stop), "
+                    f"so the engine was killed")
+    return results
+
+
+def stalled(exc: BaseException) -> EngineStalled | None:
+    """The EngineStalled behind `exc`: itself, or raised in a Ray task (a policy rank following its engines)."""
+    cause = exc if isinstance(exc, EngineStalled) else getattr(exc, "cause", None)
+    return cause if isinstance(cause, EngineStalled) else None
+
+
+def trouble(exc: BaseException) -> str:
+    """A short account of why engines were restarted, for the console."""
+    stall = stalled(exc)
+    return str(stall) if stall is not None else f"an engine died ({type(exc).__name__})"
+
+
 class EnginePool:
     """`num_engines` RolloutEngine actors; restarts dead ones and brings them to the current weights."""
 
@@ -316,6 +381,21 @@ class EnginePool:
             if self.weights_ref is not None:
                 ray.get([self.engines[i].load_weights.remote(self.weights_ref, self.version) for i in dead])
         return dead
+
+    def retrying(self, call, say=print, attempts: int = 3):
+        """`call()`, again (up to `attempts` times in all) after an engine died or was killed during it
+        (`EngineStalled`): dead engines are restarted with the last synced weights first. The last
+        failure, or one that killed no engine, is raised."""
+        import ray
+
+        for attempt in range(attempts):
+            try:
+                return call()
+            except (ray.exceptions.RayError, EngineStalled) as exc:
+                restarted = self.revive()
+                if not restarted or attempt == attempts - 1:
+                    raise
+                say(f"rollout engine(s) {restarted} restarted and re-synced after {trouble(exc)}; retrying")
 
     def shutdown(self) -> None:
         import ray

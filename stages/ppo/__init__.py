@@ -347,23 +347,24 @@ def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int) -
 
 
 def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
-    """Wait for a request's samples; a dead engine is restarted (with the last synced weights) and the
-    request sent again."""
+    """Wait for a request's samples; a dead engine, or one the environment stalled, is restarted (with the
+    last synced weights) and the request sent again (stages/ppo/episodes.py `retrying`)."""
     import ray
+
+    from stages.ppo.episodes import retrying
 
     if req.generated is not None:
         return req
     t0 = time.time()
-    for attempt in range(3):
-        try:
-            req.generated = [g for part in ray.get(req.refs) for g in part]
-            break
-        except ray.exceptions.RayError as exc:
-            restarted = s.pool.revive()
-            if not restarted or attempt == 2:
-                raise
-            console(f"rollout engine(s) {restarted} died ({type(exc).__name__}); restarted and re-synced, retrying")
+    sent = [req.refs]
+
+    def once() -> list[list[dict]]:
+        if not sent:  # a retry: the engines were restarted
             req.refs = _launch(s.pool, s.role("policy"), req.rows, n, req.sampling, s.episode)
+        sent.clear()
+        return [g for part in ray.get(req.refs) for g in part]
+
+    req.generated = retrying(s.pool, once, s.episode, console)
     req.wait_s = time.time() - t0
     return req
 

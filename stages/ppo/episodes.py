@@ -37,7 +37,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.common.engines import RolloutEngine
+from pipeline.errors import StageError
+from stages.common.engines import HEARTBEAT_S, RolloutEngine, follow, stalled
 from stages.ppo.environments import (Renderer, as_step, assemble, cap_output, environment_factory, parse_turn,
                                      tool_error)
 
@@ -55,6 +56,44 @@ class EpisodeSpec:
     tool_parser: str = "hermes"
     tool_workers: int = 8
     path: str | None = None  # the sys.path entry a 'module:Class' environment is found under on the driver
+
+
+# A followed call's silences (stages/common/engines.py `follow`): while the user's code may run, the next
+# beat is promised within the oldest call's remaining timeout + STALL_GRACE_S (+ 3 engine steps: a healthy
+# loop notices a timed-out call only after the step it is in); while only vLLM runs, within VLLM_SILENCE_S.
+STALL_GRACE_S = 10.0
+VLLM_SILENCE_S = 600.0
+
+
+class _Heartbeat:
+    """What an episodes call promises its follower, and when it says so (at most every HEARTBEAT_S, or at
+    once when the promise must shrink: the user's code is about to run)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s, self.longest_step, self.last, self.until = timeout_s, 0.0, 0.0, float("inf")
+
+    def stepped(self, seconds: float) -> None:
+        self.longest_step = max(self.longest_step, seconds)
+
+    def within(self, now: float, user_code: bool, oldest: float | None) -> float:
+        grace = STALL_GRACE_S + 3 * self.longest_step
+        if oldest is not None:
+            return max(0.0, oldest + self.timeout_s - now) + grace
+        return self.timeout_s + grace if user_code else max(VLLM_SILENCE_S, 10 * self.longest_step)
+
+    def beat(self, user_code: bool = False, oldest: float | None = None, force: bool = False) -> dict | None:
+        now = time.time()
+        within = self.within(now, user_code, oldest)
+        # Said when it must shrink (the user's code may run next), when it grows by more than a beat's worth
+        # (only vLLM runs next: a long prefill must not outlast a tight promise), and every HEARTBEAT_S.
+        if not force and now - self.last < HEARTBEAT_S and self.until - 1e-3 <= now + within <= self.until + HEARTBEAT_S:
+            return None
+        self.last, self.until = now, now + within
+        return {"within": within}
+
+
+def _user(row: dict) -> dict:
+    return {"role": "user", "content": row.get("prompt", "")}
 
 
 @dataclass
@@ -79,17 +118,49 @@ class _Episode:
         return self.prompt + [t for _, ids, _ in self.segments for t in ids]
 
 
+def run_episodes(engines: list, prompt_parts: list, row_parts: list, sampling: dict, spec: EpisodeSpec,
+                 log=print) -> list[list[dict]]:
+    """Engine i runs the episodes of prompt_parts[i] (with row_parts[i]); per prompt a list of samples, in
+    order. The calls are followed (stages/common/engines.py `follow`): an engine stalled by the environment
+    is killed (`EngineStalled`), one left running abandoned calls is replaced after its answer."""
+    calls = [(e, e.episodes.remote(p, r, sampling, spec)) for e, p, r in zip(engines, prompt_parts, row_parts) if p]
+    return [group for part in follow(calls, f"the environment {spec.name}", log) for group in part]
+
+
+def retrying(pool, call, spec: EpisodeSpec | None, say=print):
+    """`pool.retrying(call, say)`: engines that died or were stalled are restarted and `call` made again. When
+    the environment stalled the engine on every attempt, the stage stops (exit 1) saying how to fix it."""
+    try:
+        return pool.retrying(call, say)
+    except Exception as exc:
+        stall = stalled(exc)
+        if spec is None or stall is None:
+            raise
+        raise StageError(
+            f"the environment {spec.name} stalled its rollout engine on 3 attempts in a row: {stall}. Its reset and "
+            f"step must return within stages.ppo.environment.tool_timeout_s ({spec.tool_timeout_s:g} s); run slow or "
+            f"untrusted work in a subprocess it can time out (the python tool's sandbox does)") from None
+
+
 class AgentEngine(RolloutEngine):
     """A rollout engine that also runs multi-turn episodes against environments (`episodes`)."""
 
-    def episodes(self, prompt_ids: list[list[int]], rows: list[dict], sampling: dict, spec: EpisodeSpec
-                 ) -> list[list[dict]]:
-        """For each prompt (and its row), `sampling['n']` episodes; per prompt a list of samples."""
+    def episodes(self, prompt_ids: list[list[int]], rows: list[dict], sampling: dict, spec: EpisodeSpec):
+        """For each prompt (and its row), `sampling['n']` episodes; per prompt a list of samples.
+
+        A streaming call (`run_episodes` follows it): it yields heartbeats `{"within": s}`, each promising
+        the next within s seconds, then `{"result": samples, "retire": reason}`. The promise is tight
+        (the oldest environment call's timeout + `stall_grace`) whenever the user's code may run before
+        the next beat, so an environment holding the interpreter gets the engine killed soon after its
+        timeout; while only vLLM runs (no call in flight) it is loose (`VLLM_SILENCE_S`). `retire` is
+        set when calls abandoned at their timeout still run: the follower then replaces the engine."""
         from vllm import SamplingParams
         from vllm.tool_parsers import ToolParserManager
 
         import logging
 
+        clock = _Heartbeat(spec.tool_timeout_s)
+        yield clock.beat(user_code=True)  # the environment's import, constructors and resets run next
         # The parser logs a traceback for every unreadable call; such turns are reported to the model and
         # counted (tool_errors) instead, so its log would only flood the stage's log file.
         logging.getLogger(f"vllm.tool_parsers.{spec.tool_parser}_tool_parser").setLevel(logging.CRITICAL)
@@ -97,20 +168,33 @@ class AgentEngine(RolloutEngine):
         if spec.path and spec.path not in sys.path:  # the user's environment module, as the driver found it
             sys.path.insert(0, spec.path)
         make_env = environment_factory(spec.name, spec.options)
-        envs = [make_env() for _ in range(len(rows) * sampling.get("n", 1))]  # one per episode
-        renderer = Renderer(tok, getattr(envs[0], "tool_schemas", None) if envs else None)
-        parser = ToolParserManager.get_tool_parser(spec.tool_parser)(tok)
         n, engine, tag = sampling.get("n", 1), self.llm.llm_engine, uuid.uuid4().hex[:8]
-        per_turn = {k: v for k, v in sampling.items() if k not in ("n", "seed", "max_tokens")}
+        envs = []
+        for _ in range(len(rows) * n):  # one per episode
+            if (b := clock.beat(user_code=True)) is not None:
+                yield b
+            envs.append(make_env())
+        renderer = Renderer(tok, getattr(envs[0], "tool_schemas", None) if envs else None)
         episodes, active, waiting = [], {}, {}  # active: request id -> episode; waiting: future -> (episode, t0)
         for i, (prompt, row) in enumerate(zip(prompt_ids, rows)):
             for j in range(n):
+                if (b := clock.beat(user_code=True)) is not None:
+                    yield b
                 env = envs[i * n + j]
-                start = env.reset(row)
+                try:
+                    start = env.reset(row)
+                except Exception as exc:  # the environment's own failure: counted (env_errors), never called again
+                    episodes.append(_Episode(i * n + j, env, list(prompt), [_user(row)], broken=True,
+                                             env_error=f"reset raised {type(exc).__name__}: {exc}"))
+                    continue
                 ids = list(prompt) if start is None else tok(
                     renderer.conversation(start), add_special_tokens=False)["input_ids"]
-                episodes.append(_Episode(i * n + j, env, ids, list(start or [{"role": "user", "content": row.get("prompt", "")}])))
+                episodes.append(_Episode(i * n + j, env, ids, list(start or [_user(row)])))
+        parser = ToolParserManager.get_tool_parser(spec.tool_parser)(tok)
+        per_turn = {k: v for k, v in sampling.items() if k not in ("n", "seed", "max_tokens")}
         pool = ThreadPoolExecutor(spec.tool_workers, thread_name_prefix="environment")
+        calls: list[tuple[_Episode, list[dict], dict]] = []  # environment calls to start after the next beat
+        abandoned: list[Future] = []  # calls given up at their timeout; their threads may still run
 
         def queue_turn(ep: _Episode) -> None:
             budget = spec.max_tokens - ep.length
@@ -153,13 +237,13 @@ class AgentEngine(RolloutEngine):
             turn, problem = parse_turn(text, parser)
             ep.messages.append(turn)
             ep.tool_calls += len(turn.get("tool_calls") or [])
-            if ep.broken:  # its environment hung on an earlier call: the model has answered the error, done
+            if ep.broken:  # its environment hung on an earlier call (or broke): the model has answered, done
                 return
             if problem:
                 ep.tool_errors += 1
                 add_env_messages(ep, [tool_error(problem)])
                 return
-            waiting[pool.submit(ep.env.step, list(ep.messages), turn)] = (ep, time.time())
+            calls.append((ep, list(ep.messages), turn))  # started after the next beat promises its timeout
 
         def env_answered(ep: _Episode, future: Future, t0: float) -> None:
             ep.tool_s += time.time() - t0
@@ -182,14 +266,25 @@ class AgentEngine(RolloutEngine):
         try:
             for ep in episodes:
                 queue_turn(ep)
-            while active or waiting:
+            while active or waiting or calls:
+                # Promise the calls' timeout before starting them: one may hold the interpreter from its first
+                # instruction, and then this loop never beats again.
+                if (b := clock.beat(user_code=bool(calls), oldest=min((t0 for _, t0 in waiting.values()), default=None),
+                                    force=bool(calls))) is not None:
+                    yield b
+                for ep, messages, turn in calls:
+                    waiting[pool.submit(ep.env.step, messages, turn)] = (ep, time.time())
+                calls.clear()
                 if active:
-                    for out in engine.step():
+                    t0 = time.time()
+                    outs = engine.step()
+                    clock.stepped(time.time() - t0)
+                    for out in outs:
                         if out.finished:
                             end_of_turn(active.pop(out.request_id), out.outputs[0])
                 elif waiting:  # nothing to decode: wait for the first environment to answer (or time out)
                     oldest = min(t0 for _, t0 in waiting.values())
-                    wait(list(waiting), timeout=max(0.0, oldest + spec.tool_timeout_s - time.time()),
+                    wait(list(waiting), timeout=min(HEARTBEAT_S, max(0.0, oldest + spec.tool_timeout_s - time.time())),
                          return_when=FIRST_COMPLETED)
                 now = time.time()
                 for future, (ep, t0) in list(waiting.items()):
@@ -198,6 +293,7 @@ class AgentEngine(RolloutEngine):
                         env_answered(ep, future, t0)
                     elif now - t0 > spec.tool_timeout_s:  # a hung tool: its thread is abandoned, the sample goes on
                         del waiting[future]
+                        abandoned.append(future)
                         ep.tool_s += now - t0
                         ep.tool_errors += 1
                         ep.broken = True
@@ -206,7 +302,10 @@ class AgentEngine(RolloutEngine):
             if active:
                 engine.abort_request(list(active))
             pool.shutdown(wait=False, cancel_futures=True)
-        return [[self._result(ep, tok) for ep in episodes[i * n:(i + 1) * n]] for i in range(len(prompt_ids))]
+        running = sum(not f.done() for f in abandoned)
+        yield {"result": [[self._result(ep, tok) for ep in episodes[i * n:(i + 1) * n]] for i in range(len(prompt_ids))],
+               "retire": f"{running} call(s) of the environment {spec.name} still running after tool_timeout_s="
+                         f"{spec.tool_timeout_s:g} s" if running else ""}
 
     def _result(self, ep: _Episode, tok) -> dict:
         out = assemble(ep.segments)

@@ -121,21 +121,23 @@ def failures_note(metrics: dict) -> str:
     return (" | " + ", ".join(parts)) if parts else ""
 
 
-def generate(pool, rows: list[dict], sampling: dict, episode=None) -> list[dict]:
+def generate(pool, rows: list[dict], sampling: dict, episode=None, say=print) -> list[dict]:
     """Every sample of every row's prompt from the engines' current weights, prompts spread over the
-    engines; a prompt's `sampling['n']` samples adjacent. With `episode`, multi-turn episodes."""
+    engines; a prompt's `sampling['n']` samples adjacent. With `episode`, multi-turn episodes (followed:
+    an engine stalled by the environment is killed, restarted and the request sent again)."""
     import ray
 
+    from stages.ppo.episodes import retrying, run_episodes
     from stages.ppo.groups import shard
 
-    parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
-    if episode is None:
-        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
-    else:
-        row_parts = shard(rows, len(pool.engines))
-        outs = ray.get([e.episodes.remote(p, r, sampling, episode) for e, p, r in zip(pool.engines, parts, row_parts)
-                        if p])
-    return [s for part in outs for group in part for s in group]
+    def once() -> list[list[dict]]:
+        parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
+        if episode is None:
+            return [g for part in ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
+                    for g in part]
+        return run_episodes(pool.engines, parts, shard(rows, len(pool.engines)), sampling, episode, say)
+
+    return [s for group in retrying(pool, once, episode, say) for s in group]
 
 
 def answers_of(tok, flat: list[dict]) -> list[str]:

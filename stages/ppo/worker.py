@@ -136,11 +136,11 @@ class PPOWorker(Workhorse):
         mine = [e for i, e in enumerate(engines) if i % self.world == self.rank % len(engines)] \
             if len(engines) >= self.world else [engines[self.rank % len(engines)]]
         parts = shard(prompt_ids, len(mine))
-        if episode is None:
-            outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(mine, parts) if p])
-        else:
-            row_parts = shard(rows, len(mine))
-            outs = ray.get([e.episodes.remote(p, r, sampling, episode) for e, p, r in zip(mine, parts, row_parts) if p])
+        if episode is not None:  # followed: an engine stalled by the environment is killed (EngineStalled)
+            from stages.ppo.episodes import run_episodes
+
+            return run_episodes(mine, parts, shard(rows, len(mine)), sampling, episode)
+        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(mine, parts) if p])
         return [s for part in outs for s in part]
 
     # --------------------------------------------------------------- forward passes

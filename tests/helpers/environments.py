@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from stages.ppo.environments import Step
@@ -25,8 +26,10 @@ class TwoTurns:
 
 
 class Misbehaving:
-    """Whatever the model says, the first step runs the row's `kind` of tool: one that raises, hangs, prints
-    megabytes, or answers; the second step ends the episode. For the engine's guarantees, not learning."""
+    """Whatever the model says, the first step runs the row's `kind` of tool: one that raises, hangs (sleeping:
+    its thread lets go of the interpreter), holds the interpreter (a regex in catastrophic backtracking, which
+    never returns and which no thread can stop), prints megabytes, or answers; the second step ends the
+    episode. For the engine's guarantees, not learning."""
 
     def reset(self, row: dict):
         self.kind, self.calls = row["kind"], 0
@@ -40,5 +43,7 @@ class Misbehaving:
             raise ZeroDivisionError("division by zero")
         if self.kind == "hang":
             time.sleep(60)
+        if self.kind == "hold":
+            re.match(r"(a+)+$", "a" * 64 + "b")
         content = "x" * 5_000_000 if self.kind == "flood" else "42"
         return [{"role": "tool", "content": content}], 0.0, False
