@@ -444,7 +444,7 @@ def _curve_point(s: _Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend
     k = cfg.curve_samples
     sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                 "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0, "seed": 54321}
-    flat = generate(s.pool, rows, sampling, s.episode)
+    flat = generate(s.pool, rows, sampling, s.episode, ctx.progress)
     reps = [r for r in rows for _ in range(k)]
     texts = answers_of(s.tok, flat)
     batch = rollout_batch(reps, flat, s.tok.pad_token_id)
@@ -502,7 +502,7 @@ def _finish(s: _Session, cfg: PPOConfig, ctx: StageContext, before: dict | None,
     if before is not None:
         before, before_gold = before
         after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
-                                     s.episode, s.env_budget)
+                                     s.episode, s.env_budget, ctx.progress)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
         if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
             final.update(gold_win_rate(before_gold, after_gold))
@@ -633,7 +633,7 @@ def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
     # the reference role's ranks.
     ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
     before = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
-                      s.episode, s.env_budget) if s.eval_rows else None
+                      s.episode, s.env_budget, ctx.progress) if s.eval_rows else None
     clock.mark("evaluation", counted=False)  # held-out work the config asks for, not start-up
     kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
     start, trend = _resume(s, ctx, kl_ctl)

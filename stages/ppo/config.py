@@ -188,7 +188,9 @@ class EnvironmentConfig(Section):
                             "what the environment adds (sampling.max_new_tokens caps each turn). The trainer's "
                             "sequence width.")
     tool_timeout_s: float = Field(10.0, gt=0, description="An environment call (a tool) still running after this: the "
-                                  "model is told the tool timed out and the sample goes on without it (tool_errors).")
+                                  "model is told the tool timed out and the sample goes on without it (tool_errors); "
+                                  "a call holding the interpreter (C code) gets its engine killed and restarted 10 s "
+                                  "later, and the stage stops after 3 such stalls in a row.")
     max_output_chars: int = Field(1000, ge=16, description="A tool's output is cut to this many characters (saying so) "
                                   "before it is rendered into the context.")
     tool_parser: str = Field("hermes", description="vLLM tool-call parser reading the model's calls (vllm serve "

@@ -179,7 +179,8 @@ def trajectories(rows: list[dict], flat: list[dict], scores: list[float], k: int
 
 
 def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
-             moments: RunningMoments | None = None, verify=None, episode=None, budget=None) -> tuple[dict[str, list[float]], list[list[float]] | None]:
+             moments: RunningMoments | None = None, verify=None, episode=None, budget=None, say=print
+             ) -> tuple[dict[str, list[float]], list[list[float]] | None]:
     """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
     `truncated` / `sampled_truncated`: the share of answers cut off by `sampling.max_new_tokens` (scored
     as given: counted and reported, so a length limit that cuts answers short shows). With a `gold`
@@ -191,7 +192,7 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
     """
 
     def answers(sampling: dict, k: int) -> tuple[dict[str, list[float]], list[list[float]] | None]:
-        flat = generate(pool, rows, sampling, episode)
+        flat = generate(pool, rows, sampling, episode, say)
         texts = answers_of(tok, flat)
         reps = [r for r in rows for _ in range(k)]
         if budget is not None:  # an environment that broke its protocol on too many episodes stops the stage
