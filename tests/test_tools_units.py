@@ -244,8 +244,19 @@ def test_an_engine_stalled_on_every_attempt_stops_the_stage_naming_the_environme
     with pytest.raises(StageError) as exc:
         retrying(pool, stalls(3), spec, said.append)
     assert pool.restarts == 3
-    for part in ("the environment my_env:Env stalled its rollout engine on 3 attempts", "tool_timeout_s (7 s)",
+    for part in ("the environment my_env:Env stalled its rollout engine on 3 attempt(s)", "tool_timeout_s (7 s)",
                  "stages.ppo.environment.tool_timeout_s", "subprocess"):
         assert part in str(exc.value)
     with pytest.raises(EngineStalled):  # single-turn rollouts have no environment to blame: the error as raised
         retrying(Pool(), stalls(3), None, said.append)
+
+    class Synced(Pool):  # rollout.async: the weight sync restarted the engine after the request went out
+        restarts = 1
+
+        def revive(self):
+            return []
+
+    assert retrying(Synced(), stalls(1), spec, said.append, since=0) == "samples"
+    assert "restarted since the request went out" in said[-1]
+    with pytest.raises(StageError, match="on 1 attempt"):  # nothing restarted since: not sent again
+        retrying(Synced(), stalls(1), spec, said.append, since=1)

@@ -382,20 +382,26 @@ class EnginePool:
                 ray.get([self.engines[i].load_weights.remote(self.weights_ref, self.version) for i in dead])
         return dead
 
-    def retrying(self, call, say=print, attempts: int = 3):
+    def retrying(self, call, say=print, attempts: int = 3, since: int | None = None):
         """`call()`, again (up to `attempts` times in all) after an engine died or was killed during it
-        (`EngineStalled`): dead engines are restarted with the last synced weights first. The last
-        failure, or one that killed no engine, is raised."""
+        (`EngineStalled`): dead engines are restarted with the last synced weights first. `since`: the
+        pool's `restarts` when the request `call` collects was sent (default: now); an engine restarted
+        since then (by a weight sync in between) also makes it worth sending again. The last failure, or
+        one with no engine restarted, is raised."""
         import ray
 
+        since = self.restarts if since is None else since
         for attempt in range(attempts):
             try:
                 return call()
             except (ray.exceptions.RayError, EngineStalled) as exc:
                 restarted = self.revive()
-                if not restarted or attempt == attempts - 1:
+                if (not restarted and self.restarts == since) or attempt == attempts - 1:
                     raise
-                say(f"rollout engine(s) {restarted} restarted and re-synced after {trouble(exc)}; retrying")
+                since = self.restarts
+                say(f"rollout engine(s) {restarted} restarted and re-synced after {trouble(exc)}; retrying"
+                    if restarted else f"{trouble(exc)}; a rollout engine was restarted since the request went out, "
+                                      f"sending it again")
 
     def shutdown(self) -> None:
         import ray

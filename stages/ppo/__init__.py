@@ -310,6 +310,7 @@ class _Rollouts:
     sampling: dict
     refs: list  # one ref per policy rank
     launched: float = field(default_factory=time.time)
+    restarts: int = 0  # the pool's engine restarts when it was launched: one restarted since gets it sent again
     generated: list[list[dict]] | None = None  # per prompt, its samples (once collected)
     wait_s: float = 0.0  # how long the loop waited for them
 
@@ -343,7 +344,8 @@ def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int) -
     if it == fault_at:
         s.pool.kill(0)
     sampling = _sampling(cfg, seed, it)
-    return _Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling, s.episode))
+    return _Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling, s.episode),
+                     restarts=s.pool.restarts)
 
 
 def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
@@ -364,7 +366,9 @@ def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
         sent.clear()
         return [g for part in ray.get(req.refs) for g in part]
 
-    req.generated = retrying(s.pool, once, s.episode, console)
+    # With rollout.async the request went out before the last weight sync, which may have restarted an engine
+    # it was sent to (one killed after the previous request): `since` makes that a reason to send it again.
+    req.generated = retrying(s.pool, once, s.episode, console, since=req.restarts)
     req.wait_s = time.time() - t0
     return req
 

@@ -127,19 +127,26 @@ def run_episodes(engines: list, prompt_parts: list, row_parts: list, sampling: d
     return [group for part in follow(calls, f"the environment {spec.name}", log) for group in part]
 
 
-def retrying(pool, call, spec: EpisodeSpec | None, say=print):
-    """`pool.retrying(call, say)`: engines that died or were stalled are restarted and `call` made again. When
-    the environment stalled the engine on every attempt, the stage stops (exit 1) saying how to fix it."""
+def retrying(pool, call, spec: EpisodeSpec | None, say=print, since: int | None = None):
+    """`pool.retrying(call, say, since=since)`: engines that died or were stalled are restarted and `call` made
+    again. When the environment stalled the engine on every attempt, the stage stops (exit 1) saying how to
+    fix it."""
+    attempts = []
+
+    def counted():
+        attempts.append(1)
+        return call()
+
     try:
-        return pool.retrying(call, say)
+        return pool.retrying(counted, say, since=since)
     except Exception as exc:
         stall = stalled(exc)
         if spec is None or stall is None:
             raise
         raise StageError(
-            f"the environment {spec.name} stalled its rollout engine on 3 attempts in a row: {stall}. Its reset and "
-            f"step must return within stages.ppo.environment.tool_timeout_s ({spec.tool_timeout_s:g} s); run slow or "
-            f"untrusted work in a subprocess it can time out (the python tool's sandbox does)") from None
+            f"the environment {spec.name} stalled its rollout engine on {len(attempts)} attempt(s) in a row: {stall}. "
+            f"Its reset and step must return within stages.ppo.environment.tool_timeout_s ({spec.tool_timeout_s:g} s); "
+            f"run slow or untrusted work in a subprocess it can time out (the python tool's sandbox does)") from None
 
 
 class AgentEngine(RolloutEngine):
