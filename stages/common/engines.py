@@ -267,16 +267,34 @@ def follow(calls: list[tuple[Any, Any]], what: str, log=print) -> list:
                     pending.remove(i)
                     if item.get("retire"):
                         log(f"rollout engine replaced after this call: {item['retire']}")
-                        ray.kill(engine, no_restart=True)
+                        kill_engine(engine)
                     break
                 deadline[i] = time.time() + float(item["within"])
             if i in pending and deadline[i] is not None and time.time() > deadline[i]:
-                ray.kill(engine, no_restart=True)
+                kill_engine(engine)
                 raise EngineStalled(
                     f"a rollout engine stopped answering while {what} ran: a call held the interpreter past its "
                     f"timeout (C code such as a regex in catastrophic backtracking, which no thread can stop), "
                     f"so the engine was killed")
     return results
+
+
+def kill_engine(engine, timeout: float = 60) -> None:
+    """Kill an engine actor and return once Ray reports it dead.
+
+    `ray.kill` is asynchronous; without the wait a call sent right after it may still be answered, and
+    `EnginePool.revive` would take the engine for alive (a drill, a test or a retry would depend on timing)."""
+    import ray
+
+    ray.kill(engine, no_restart=True)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            ray.get(engine.ping.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"a rollout engine still answers {timeout:.0f} s after ray.kill")
 
 
 def stalled(exc: BaseException) -> EngineStalled | None:
@@ -342,22 +360,8 @@ class EnginePool:
             return 0.0
 
     def kill(self, index: int, timeout: float = 60) -> None:
-        """Fault drills: kill engine `index` and return once Ray reports it dead.
-
-        `ray.kill` is asynchronous; without the wait a call sent right after it may still be answered,
-        which makes a drill (or a test) depend on timing."""
-        import ray
-
-        engine = self.engines[index]
-        ray.kill(engine, no_restart=True)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            try:
-                ray.get(engine.ping.remote(), timeout=5)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"rollout engine {index} still answers {timeout:.0f} s after ray.kill")
+        """Fault drills: kill engine `index` and return once Ray reports it dead."""
+        kill_engine(self.engines[index], timeout)
 
     def revive(self) -> list[int]:
         """Restart every engine that no longer answers, and re-sync it; returns the restarted indices."""
