@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 EXTRA ?= cpu
 
-.PHONY: setup run test test-fast bench bench-learning
+.PHONY: setup run test test-fast bench bench-learning image-check
 
 setup:
 	EXTRA=$(EXTRA) bash scripts/setup.sh
@@ -19,6 +19,11 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --durations=15
+
+# Build the CPU container image with podman (no registry needed) and run the smoke pipeline in it: about
+# 25 minutes as root, not part of `make test` (scripts/image_check.sh, docs/install.md).
+image-check:
+	bash scripts/image_check.sh
 
 bench: setup
 	$(PY) bench/data_bench.py

