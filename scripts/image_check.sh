@@ -36,10 +36,10 @@ declare -a TIMES=()
 say() { echo "image-check: $*"; }
 die() { echo "image-check: FAILED: $*" >&2; exit 1; }
 timed() {  # timed NAME COMMAND...: run it, record its seconds
-  local name=$1 t=$(date +%s); shift
+  local name=$1 started; started=$(date +%s); shift
   say "[$name] $*" | cut -c1-200
   "$@" || die "step '$name' failed (exit $?)"
-  TIMES+=("$name $(( $(date +%s) - t ))s")
+  TIMES+=("$name $(( $(date +%s) - started ))s")
 }
 
 cleanup() {
@@ -59,8 +59,8 @@ trap cleanup EXIT
 
 # ---------------------------------------------------------------- 1. tools
 install_tools() {
-  local missing=()
-  for t in podman buildah runc debootstrap; do command -v "$t" >/dev/null || missing+=("$t"); done
+  local missing=() tool
+  for tool in podman buildah runc debootstrap; do command -v "$tool" >/dev/null || missing+=("$tool"); done
   [ ${#missing[@]} = 0 ] && return 0
   command -v apt-get >/dev/null || { echo "missing ${missing[*]} and no apt-get: install them yourself" >&2; return 1; }
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
