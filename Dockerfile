@@ -31,7 +31,7 @@ ARG PIP_CONFIG_FILE
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 VLLM_CACHE_ROOT=/app/.cache/vllm
 # python3-dev / python3-venv only where the base lacks them (a plain Debian base; python:*-slim has both).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make gcc g++ libtcmalloc-minimal4 \
+    && apt-get install -y --no-install-recommends make gcc g++ libtcmalloc-minimal4 libnuma1 \
         $(python3 -c 'import os, sysconfig; print("" if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
         $(python3 -c 'import ensurepip' 2>/dev/null || echo python3-venv) \
     && rm -rf /var/lib/apt/lists/*
@@ -46,8 +46,9 @@ FROM ${BASE_IMAGE}
 # unprivileged user namespaces: docker run --security-opt seccomp=unconfined --security-opt apparmor=unconfined
 # --security-opt systempaths=unconfined (Kubernetes: the securityContext in deploy/k8s/rayjob.yaml).
 # g++ (and the headers): DeepSpeed compiles its CPU ops again on a CPU whose flags differ from the build's.
+# libnuma1: vLLM's CPU kernels link it (without it `_C` does not load: "no attribute 'init_cpu_memory_env'").
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 bubblewrap \
+    && apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 libnuma1 bubblewrap \
         $(python3 -c 'import os, sysconfig; print("" if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 1000 app
