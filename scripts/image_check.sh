@@ -157,5 +157,15 @@ assert str(d.get('sandbox_strong')).lower() == 'true', 'the sandbox is not at it
 "
 }
 timed sandbox sandbox_tier
-timed smoke "${RUN[@]}" "$TAG" run configs/smoke.yaml run_dir=/tmp/run
+# The run directory is the host's ($WORK/run), so a failing stage's log can be shown before it is removed.
+mkdir -p "$WORK/run" && chmod 777 "$WORK/run"
+smoke() {
+  "${RUN[@]}" -v "$WORK/run:/tmp/run" "$TAG" run configs/smoke.yaml run_dir=/tmp/run && return 0
+  local rc=$? log
+  for log in "$WORK"/run/logs/*.log; do
+    [ -f "$log" ] && grep -qE "Error|Traceback" "$log" && { echo "---- the last lines of $log"; tail -60 "$log"; }
+  done
+  return $rc
+}
+timed smoke smoke
 say "image size: $(( SIZE / 1024 / 1024 )) MiB"
