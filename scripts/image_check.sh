@@ -146,8 +146,9 @@ say "image size: $(( SIZE / 1024 / 1024 )) MiB ($TAG, from $DOCKERFILE)"
 # ---------------------------------------------------------------- 4.-5. in the container
 # The flags the sandbox's strongest tier needs (docs/security.md): user namespaces (seccomp), mount (AppArmor
 # hosts), an unmasked /proc.
+# --shm-size: vLLM's engine core and Ray's object store use /dev/shm, 64 MB by default in a container.
 RUN=(podman run --rm --network host --label posttrain-image-check=1 --security-opt seccomp=unconfined
-     --security-opt apparmor=unconfined --security-opt unmask=ALL)
+     --security-opt apparmor=unconfined --security-opt unmask=ALL --shm-size=2g)
 sandbox_tier() {
   "${RUN[@]}" --entrypoint python "$TAG" -c "
 from stages.ppo import sandbox
