@@ -3,8 +3,8 @@
 #
 #   scripts/image_check.sh            # as root on a Debian/Ubuntu machine (installs podman & co. with apt)
 #   KEEP_IMAGE=1 scripts/image_check.sh   # keep the built image (posttrain-check:cpu) afterwards
-#   DOCKERFILE=path BUILD_ONLY=1 scripts/image_check.sh   # build another Dockerfile, report its size, stop
-#                                     # (bench/image_before.sh: the Dockerfile before issue 49)
+#   DOCKERFILE=path BUILD_ONLY=1 scripts/image_check.sh   # only build (that Dockerfile), report its size
+#                                     # (bench/image_size.sh: the image before issue 49 and now)
 #
 # Steps, each timed:
 #   1. tools       podman, buildah, runc and debootstrap, installed with apt if missing; podman is run with
@@ -13,12 +13,14 @@
 #   2. base        the Dockerfile's BASE_IMAGE if it can be pulled; else a Debian bookworm base made with
 #                  debootstrap (minbase + python3, venv, headers, certificates) and `podman import`ed, so no
 #                  container registry is needed
-#   3. build       the project's Dockerfile (EXTRA=cpu) with this machine's pip configuration passed in
+#   3. pypi        the Dockerfile's defaults (EXTRA=gpu) resolve from PyPI alone (pip's dry run, nothing
+#                  downloaded but metadata)
+#   4. build       the project's Dockerfile (EXTRA=cpu) with this machine's pip configuration passed in
 #                  (PIP_CONFIG_FILE and the files and directories it names, mounted read-only): its CA
 #                  bundle, its mirrors, its wheel directories
-#   4. sandbox     in the container, the code sandbox's tier must be the strongest (bubblewrap)
-#   5. smoke       `pipeline run configs/smoke.yaml` in the container, to the end, exit 0
-#   6. clean       removes the images, containers and files it made (the tools stay installed)
+#   5. sandbox     in the container, the code sandbox's tier must be the strongest (bubblewrap)
+#   6. smoke       `pipeline run configs/smoke.yaml` in the container, to the end, exit 0
+#   7. clean       removes the images, containers and files it made (the tools stay installed)
 # It prints each step's time and the image's size. Not part of `make test`: a build takes ~15 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +137,34 @@ for path in $(sed -n 's/^[a-z-]* = //p' "$WORK/pip/pip.conf" | tr ' ' '\n' | sed
   case "$path" in /*) [ -e "$path" ] && MOUNTS+=(-v "$path:$path:ro") ;; esac
 done
 say "pip configuration passed in: $(grep -c ' = ' "$WORK/pip/pip.conf") setting(s), ${#MOUNTS[@]} mount argument(s)"
+
+# The Dockerfile's defaults (EXTRA=gpu, no TORCH_INDEX_URL) on a machine that reaches PyPI and nothing else:
+# pip resolves setup.sh's torch pin and the image's extras from https://pypi.org/simple alone (no mirror, no
+# wheel directory, no constraints; only the CA bundle, which a TLS-intercepting proxy needs), in dry-run mode:
+# PyPI serves each wheel's metadata by itself, so the GPU wheels (several GB) are not downloaded.
+pypi_only() {
+  local cert torch unset=()
+  cert="$(sed -n 's/^cert = //p' "$WORK/pip/pip.conf" | head -1)"
+  torch="$(grep -o '"torch==[0-9.]*"' scripts/setup.sh | head -1 | tr -d '"')"
+  [ -n "$torch" ] || { echo "no torch pin found in scripts/setup.sh" >&2; return 1; }
+  for var in $(env | sed -n 's/^\(PIP_[A-Z_]*\)=.*/\1/p'); do unset+=(-u "$var"); done
+  "$PY" -m venv "$WORK/pypi-venv"
+  env "${unset[@]}" PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    "$WORK/pypi-venv/bin/pip" install --dry-run --ignore-installed --quiet --report "$WORK/pypi.json" \
+    --index-url https://pypi.org/simple ${cert:+--cert "$cert"} "$torch" ".[gpu,real]" \
+    > "$WORK/pypi.log" 2>&1 || { tail -20 "$WORK/pypi.log"; return 1; }
+  "$PY" -c '
+import json, sys
+report = json.load(open(sys.argv[1]))
+got = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in report["install"]}
+hosts = {i["download_info"]["url"].split("/")[2] for i in report["install"] if i["download_info"]["url"].startswith("http")}
+torch, vllm = got.get("torch"), got.get("vllm")
+print(f"image-check: the defaults resolve from PyPI alone: {len(got)} packages (torch {torch}, vllm {vllm})",
+      f"from {sorted(hosts)}")
+assert torch and vllm, "torch or vllm is missing from the resolution"
+' "$WORK/pypi.json"
+}
+[ "${BUILD_ONLY:-0}" = 1 ] || timed pypi pypi_only
 timed build podman build --network host --layers=false -f "$DOCKERFILE" -t "$TAG" \
   --label posttrain-image-check=1 \
   --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg EXTRA=cpu \
