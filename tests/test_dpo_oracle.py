@@ -29,8 +29,6 @@ _ENV = dict(os.environ)  # before any library import (see below)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
@@ -40,6 +38,7 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 os.environ.clear()
 os.environ.update(_ENV)
 
+from helpers.tiny_llama import load, loss_and_grads, perturb, tiny_model_dir
 from stages.dpo import collate, logps, pair_losses
 
 PAIRS = {  # answers of different lengths, chosen longer in some pairs and shorter in others
@@ -49,41 +48,11 @@ PAIRS = {  # answers of different lengths, chosen longer in some pairs and short
 }
 BETA = {"dpo": 0.3, "ipo": 0.5, "simpo": 0.3}
 SIMPO_GAMMA = 0.7
-PERTURB = 0.05  # std of the noise added to the policy's weights after the reference is made
-
-
-def tiny_model_dir(path):
-    """A character-level tokenizer (pad, eos, no bos) and a random 2-layer fp32 Llama, saved to `path`."""
-    chars = list("abcdefghijklmnopqrstuvwxyz .,?!0123456789")
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "</s>", "<unk>", *chars])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                                        unk_token="<unk>")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, attn_implementation="eager"))
-    tokenizer.save_pretrained(path)
-    model.save_pretrained(path)
-    return tokenizer
-
-
-def load(path):
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
 
 
 def common_args(tmp_path) -> dict:
     return {"output_dir": str(tmp_path / "out"), "report_to": "none", "use_cpu": True, "bf16": False,
             "fp16": False, "per_device_train_batch_size": len(PAIRS["prompt"]), "seed": 0, "disable_tqdm": True}
-
-
-def perturb(model) -> None:
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * PERTURB)
 
 
 def ours(pairs: dict, pad_id: int, policy, ref, loss: str):
@@ -99,15 +68,6 @@ def ours(pairs: dict, pad_id: int, policy, ref, loss: str):
     per_pair, _, _ = pair_losses(loss, BETA[loss], chosen_and_rejected[:n], chosen_and_rejected[n:], ref_c, ref_r,
                                  lengths[:n], lengths[n:], simpo_gamma=SIMPO_GAMMA)
     return per_pair.mean(), batch
-
-
-def loss_and_grads(model, compute):
-    model.zero_grad(set_to_none=True)
-    loss = compute()
-    loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
 
 
 def assert_same(theirs, mine, trivial: float):

@@ -26,6 +26,13 @@ from pipeline.errors import ConfigError, UserError
         (["stages.ppo.reference.colocate=true", "stages.ppo.reference.deepspeed.zero_stage=3"],
          "stages.ppo.reference: colocate: a colocated reference is a plain copy in each policy rank"),
         (["stages.ppo.rollout.asynchronous=true"], "stages.ppo.rollout.asynchronous"),
+        (["stages.ppo.algorithm=ppo", "stages.ppo.dynamic_sampling.enabled=true"],
+         "dynamic_sampling: ppo has no group baseline"),
+        (["stages.ppo.overlong.cache=100000"], "overlong.cache (100000) exceeds the response limit"),
+        (["stages.ppo.loss_type=gspo"], "stages.ppo.loss_type: input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo' or "
+                                        "'cispo'"),
+        (["stages.ppo.importance_sampling=response"], "stages.ppo.importance_sampling: input should be 'token' or "
+                                                      "'sequence'"),
     ],
 )
 def test_bad_ppo_settings_name_the_key(tmp_path, overrides, expected):
@@ -158,3 +165,53 @@ def test_slope_and_pad_rows():
     assert slope([0.0, 1.0, 2.0]) == 1.0 and slope([0.5, 0.5, 0.5]) == 0.0 and slope([1.0]) == 0.0
     assert slope([0.2, 0.1, 0.4, 0.3]) == pytest.approx(0.06)  # least squares: sum((i-1.5)(y-0.25)) / 5
     assert pad_rows([[1.0], [2.0, 3.0]], 3).tolist() == [[1.0, 0.0, 0.0], [2.0, 3.0, 0.0]]
+
+
+def test_dynamic_sampling_replaces_groups_without_a_signal_and_keeps_the_batch_size(monkeypatch):
+    """`_fill`: groups whose samples all scored the same are replaced by refill rounds' kept groups, up to
+    max_refills; still short, the batch is topped up with dropped groups; the scores travel with their rows."""
+    import types
+
+    import stages.ppo as ppo
+    from stages.ppo import scoring
+    from stages.ppo.config import PPOConfig
+
+    n = 2
+    rounds = {0: [1, 1, 0, 1, 0, 0, 1, 0], 1: [0, 0, 1, 0, 0.5, 0.5, 0, 0.25], 2: [3, 3, 3, 3, 3, 3, 3, 3]}
+
+    def request(refill):  # 4 prompts named by their round, 2 samples each
+        rows = [{"prompt": f"r{refill}p{g}"} for g in range(4) for _ in range(n)]
+        generated = [[{"ids": [refill, g, i]} for i in range(n)] for g in range(4)]
+        return ppo._Rollouts(0, rows, {}, [], generated=generated)
+
+    def rewards(texts, rows, flat, *_args, **_kw):
+        refill = flat[0]["ids"][0]
+        return list(map(float, rounds[refill])), [0.0] * len(flat), [], []
+
+    monkeypatch.setattr(scoring, "training_rewards", rewards)
+    monkeypatch.setattr(scoring, "answers_of", lambda tok, flat: ["" for _ in flat])
+    monkeypatch.setattr(ppo, "_request", lambda s, cfg, seed, it, fault, refill=0: request(refill))
+    monkeypatch.setattr(ppo, "_collect", lambda s, req, n, console: req)
+    session = types.SimpleNamespace(tok=None, rule=None, moments=None, role=lambda name: None)
+    loop = types.SimpleNamespace(seed=0)
+
+    def fill(max_refills):
+        cfg = PPOConfig(algorithm="grpo", prompts_per_iteration=4, mini_batch_size=8, micro_batch_size=4,
+                        sampling={"n": n}, dynamic_sampling={"enabled": True, "max_refills": max_refills})
+        return ppo._fill(session, cfg, loop, request(0), print)
+
+    req = fill(max_refills=2)  # round 0 keeps p1 and p3; round 1 (the first refill) p1 and p3: full
+    assert [r["prompt"] for r in req.rows[::n]] == ["r0p1", "r0p3", "r1p1", "r1p3"]
+    assert req.scored[0] == [0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.25]  # each group's own scores
+    assert [x["ids"][:2] for g in req.generated for x in g] == [[0, 1], [0, 1], [0, 3], [0, 3], [1, 1], [1, 1],
+                                                                [1, 3], [1, 3]]
+    assert req.dynamic == {"dynamic_kept_share": 0.5, "dynamic_refills": 1.0}
+
+    rounds[1] = [0, 0, 1, 1, 0, 0, 1, 1]  # round 1 keeps nothing: topped up with round 0's dropped groups
+    req = fill(max_refills=1)
+    assert [r["prompt"] for r in req.rows[::n]] == ["r0p1", "r0p3", "r0p0", "r0p2"]
+    assert req.scored[0] == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0] and len(req.rows) == 8
+    assert req.dynamic == {"dynamic_kept_share": 0.5, "dynamic_refills": 1.0}
+    req = fill(max_refills=2)  # the second refill keeps nothing either: the bound holds, same top-up
+    assert [r["prompt"] for r in req.rows[::n]] == ["r0p1", "r0p3", "r0p0", "r0p2"]
+    assert req.dynamic == {"dynamic_kept_share": 0.5, "dynamic_refills": 2.0}

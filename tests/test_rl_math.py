@@ -294,13 +294,71 @@ def test_logprob_mismatch_ignores_padding():
     assert got["logprob_mismatch_max"] == pytest.approx(0.3)
 
 
-def test_aggregate_token_mean_and_dr_grpo_seq_sum():
+def test_aggregate_by_each_loss_type():
     per_token = torch.tensor([[1.0, 2.0], [3.0, 9.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    close(rl.aggregate(per_token, mask, "token_mean"), 2.0)  # (1 + 2 + 3) / 3
-    close(rl.aggregate(per_token, mask, "seq_sum", max_len=4), 0.75)  # (1 + 2 + 3) / (2 rows x 4)
+    close(rl.aggregate(per_token, mask, "bnpo"), 2.0)  # (1 + 2 + 3) / 3
+    close(rl.aggregate(per_token, mask, "grpo"), 2.25)  # ((1 + 2) / 2 + 3 / 1) / 2
+    close(rl.aggregate(per_token, mask, "dr_grpo", max_len=4), 0.75)  # (1 + 2 + 3) / (2 rows x 4)
+    close(rl.aggregate(per_token, mask, "dapo", tokens=4.0), 1.5)  # the step's tokens per micro-batch, not these 3
+    close(rl.aggregate(per_token, mask, "dapo"), 2.0)  # no normalizer given: this micro-batch's own tokens
     with pytest.raises(ValueError, match="needs max_len"):
-        rl.aggregate(per_token, mask, "seq_sum")
+        rl.aggregate(per_token, mask, "dr_grpo")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        rl.aggregate(per_token, mask, "token_mean")
+
+
+def test_sequence_level_ratios_are_each_responses_mean_log_ratio():
+    logp = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, 0.0, 0.0]])
+    old = torch.tensor([[-1.2, -1.6, 0.0], [-0.7, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the padded 5.0 must not count
+    got = rl.importance_log_ratio(logp, old, mask, "sequence")
+    close(got, torch.tensor([[(0.2 - 0.4) / 2], [0.2]]))
+    assert rl.importance_log_ratio(logp, old, mask, "token").shape == (2, 3)
+
+
+def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
+    # ratio e^1 ~ 2.72 > cap 2 with a positive advantage: PPO's clip zeroes the gradient, CISPO's does not
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    old = torch.tensor([[-1.0]])
+    adv, mask = torch.ones(1, 1), torch.ones(1, 1)
+    loss, stats = rl.policy_loss(logp, old, adv, mask, 0.2, agg="cispo", clip_eps_high=2.0)
+    loss.backward()
+    close(loss, -2.0 * 0.0)  # -w A log p with log p = 0
+    close(logp.grad, torch.tensor([[-2.0]]))  # -w A: the capped weight, no gradient through it
+    assert stats["clip_frac"] == 1.0
+    logp.grad = None
+    loss, _ = rl.policy_loss(logp, old, adv, mask, 0.2, clip_eps_high=0.28)
+    loss.backward()
+    close(logp.grad, torch.tensor([[0.0]]))  # the clipped surrogate: no gradient past 1 + 0.28
+
+
+def test_clip_higher_lets_a_positive_advantage_ratio_grow_further():
+    logp, old = torch.tensor([[0.25]]), torch.tensor([[0.0]])  # ratio e^0.25 ~ 1.284
+    adv, mask = torch.ones(1, 1), torch.ones(1, 1)
+    symmetric, s1 = rl.policy_loss(logp, old, adv, mask, 0.2)
+    higher, s2 = rl.policy_loss(logp, old, adv, mask, 0.2, clip_eps_high=0.3)
+    close(symmetric, -1.2)
+    close(higher, -torch.exp(torch.tensor(0.25)))  # inside [0.8, 1.3]: unclipped
+    assert (s1["clip_frac"], s2["clip_frac"]) == (1.0, 0.0)
+
+
+def test_the_kl_term_is_added_per_token_before_aggregating():
+    logp, mask = torch.zeros(2, 2), torch.tensor([[1, 1], [1, 0]])
+    kl = torch.tensor([[1.0, 2.0], [6.0, 100.0]])  # the padded 100 must not count
+    loss, _ = rl.policy_loss(logp, logp.clone(), torch.zeros(2, 2), mask, 0.2, agg="grpo", kl=kl, kl_coef=0.5)
+    close(loss, 0.5 * ((1 + 2) / 2 + 6) / 2)
+
+
+def test_overlong_penalty_ramps_to_minus_one_at_the_limit():
+    assert rl.overlong_penalty([10, 80, 90, 100, 120], max_len=100, cache=20) == [0.0, 0.0, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="overlong cache"):
+        rl.overlong_penalty([1], max_len=10, cache=20)
+
+
+def test_dynamic_keep_drops_groups_whose_scores_are_all_equal():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+    assert rl.dynamic_keep(scores, 2).tolist() == [False, True, False, False]
 
 
 def test_policy_loss_with_tis_weights():

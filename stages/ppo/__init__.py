@@ -313,13 +313,15 @@ class _Rollouts:
     restarts: int = 0  # the pool's engine restarts when it was launched: one restarted since gets it sent again
     generated: list[list[dict]] | None = None  # per prompt, its samples (once collected)
     wait_s: float = 0.0  # how long the loop waited for them
+    scored: tuple | None = None  # scoring.training_rewards' columns, when dynamic sampling scored them already
+    dynamic: dict = field(default_factory=dict)  # dynamic sampling's metrics
 
 
-def _sampling(cfg: PPOConfig, seed: int, it: int) -> dict:
+def _sampling(cfg: PPOConfig, seed: int, it: int, refill: int = 0) -> dict:
     return {"n": cfg.sampling.n, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
             "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0,  # the sampled tokens' log-probs
-            # vLLM seeds sample i of a request with seed + i: draw far-apart seeds per iteration
-            "seed": random.Random(f"ppo-sampling-{seed}-{it}").randrange(2**31)}
+            # vLLM seeds sample i of a request with seed + i: draw far-apart seeds per iteration (and refill)
+            "seed": random.Random(f"ppo-sampling-{seed}-{it}" + (f"-{refill}" if refill else "")).randrange(2**31)}
 
 
 def _launch(pool, policy, rows: list[dict], n: int, sampling: dict, episode=None):
@@ -335,15 +337,16 @@ def _launch(pool, policy, rows: list[dict], n: int, sampling: dict, episode=None
             enumerate(zip(shard([r["prompt_ids"] for r in prompts], len(policy)), shard(prompts, len(policy))))]
 
 
-def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int) -> _Rollouts:
-    """Sample iteration `it`'s prompts (seeded per iteration, so a resumed run sees the same ones) and launch
-    their generation with the weights the engines hold now."""
+def _request(s: "_Session", cfg: PPOConfig, seed: int, it: int, fault_at: int, refill: int = 0) -> _Rollouts:
+    """Sample iteration `it`'s prompts (seeded per iteration and dynamic sampling's refill round, so a resumed
+    run sees the same ones) and launch their generation with the weights the engines hold now."""
     n = cfg.sampling.n
-    rows = random.Random(f"ppo-{seed}-{it}").sample(s.train_rows, cfg.prompts_per_iteration)
+    key = f"ppo-{seed}-{it}" + (f"-refill{refill}" if refill else "")
+    rows = random.Random(key).sample(s.train_rows, cfg.prompts_per_iteration)
     rows = [r for r in rows for _ in range(n)]
-    if it == fault_at:
+    if it == fault_at and not refill:
         s.pool.kill(0)
-    sampling = _sampling(cfg, seed, it)
+    sampling = _sampling(cfg, seed, it, refill)
     return _Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling, s.episode),
                      restarts=s.pool.restarts)
 
@@ -370,6 +373,36 @@ def _collect(s: "_Session", req: _Rollouts, n: int, console) -> _Rollouts:
     # it was sent to (one killed after the previous request): `since` makes that a reason to send it again.
     req.generated = retrying(s.pool, once, s.episode, console, since=req.restarts)
     req.wait_s = time.time() - t0
+    return req
+
+
+def _fill(s: "_Session", cfg: PPOConfig, loop: "_Loop", req: _Rollouts, console) -> _Rollouts:
+    """DAPO's dynamic sampling: score the collected groups, and replace those whose samples all scored the same
+    (no signal under a group baseline) by fresh prompts' groups, in up to `max_refills` rounds; still short,
+    the batch is topped up with dropped groups. The request's rows and samples become the kept ones, with
+    their scores (`req.scored`), so the batch keeps its size and nothing is scored twice."""
+    import torch
+
+    from stages.ppo import rl
+    from stages.ppo.scoring import answers_of, joined_groups, keep_groups, training_rewards
+
+    n, want = cfg.sampling.n, cfg.prompts_per_iteration
+    kept: list = []
+    dropped: list = []
+    part, refills, share = req, 0, None
+    while True:
+        flat = [x for group in part.generated for x in group]
+        scored = training_rewards(answers_of(s.tok, flat), part.rows, flat, s.role("reward"), cfg, s.rule,
+                                  s.moments)
+        keep = rl.dynamic_keep(torch.tensor(scored[0]), n).tolist()
+        share = sum(keep) / len(keep) if share is None else share  # of the iteration's own prompts
+        keep_groups(part.generated, part.rows, scored, keep, n, kept, dropped)
+        if len(kept) >= want or refills == cfg.dynamic_sampling.max_refills:
+            break
+        refills += 1
+        part = _collect(s, _request(s, cfg, loop.seed, req.it, -1, refill=refills), n, console)
+    req.rows, req.generated, req.scored = joined_groups((kept + dropped)[:want])
+    req.dynamic = {"dynamic_kept_share": share, "dynamic_refills": float(refills)}
     return req
 
 
@@ -564,6 +597,8 @@ def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
             # the update before it. `rollout.async`: iteration it+1's are launched before iteration it trains, so
             # generation overlaps scoring and training, and they come from weights one update older (staleness 1).
             req = _collect(s, nxt, cfg.sampling.n, ctx.progress)
+            if cfg.dynamic_sampling.enabled:  # groups without a signal replaced by fresh prompts' groups
+                req = _fill(s, cfg, loop, req, ctx.progress)
             if cfg.rollout.async_ and it + 1 < cfg.iterations:
                 nxt = _request(s, cfg, loop.seed, it + 1, loop.fault_at)
             scored = _score(s, cfg, loop, req, it)  # 3.-5. rewards, reference, old policy, values; advantages
@@ -624,6 +659,7 @@ class _Scored:
     wait_s: float  # the loop waited this long for the rollouts
     gen_span: float  # launch -> scored
     score_s: float
+    dynamic: dict  # dynamic sampling's metrics (empty without it)
 
 
 def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
@@ -642,9 +678,9 @@ def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
     kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
     start, trend = _resume(s, ctx, kl_ctl)
     clock.mark("restore")
-    hp = {"epochs": cfg.ppo_epochs, "micro": cfg.micro_batch_size, "clip_eps": cfg.clip_eps,
-          "entropy_coef": cfg.entropy_coef, "value_clip": cfg.value_clip, "kl_loss_coef": 0.0,
-          "agg": "seq_sum" if cfg.algorithm == "dr_grpo" else "token_mean", "max_len": cfg.response_tokens()}
+    hp = {"epochs": cfg.ppo_epochs, "micro": cfg.micro_batch_size, "entropy_coef": cfg.entropy_coef,
+          "value_clip": cfg.value_clip, "kl_loss_coef": 0.0, "max_len": cfg.response_tokens(), "tokens_per_row": 0.0,
+          **cfg.objective()}
     ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
     return _Loop(ref, ref_call, hp, kl_ctl, start, trend, before, ctx.pipeline.seed,
                  int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1")),
@@ -659,7 +695,7 @@ def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) ->
     import torch
 
     from stages.ppo import rl
-    from stages.ppo.scoring import answers_of, request_model_scores, rollout_batch, score, with_env_reward
+    from stages.ppo.scoring import answers_of, request_model_scores, rollout_batch, training_rewards
     from stages.ppo.worker import shard_batch
 
     policy, critic, reward, micro = s.role("policy"), s.role("critic"), s.role("reward"), cfg.micro_batch_size
@@ -676,14 +712,13 @@ def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) ->
     t0 = time.time()
     texts = answers_of(s.tok, flat)  # a multi-turn sample's last turn: what the rewards judge
     batch = rollout_batch(req.rows, flat, s.tok.pad_token_id)  # the environment's tokens masked out
-    rm_refs = request_model_scores(texts, req.rows, reward, cfg)
+    rm_refs = request_model_scores(texts, req.rows, reward, cfg) if req.scored is None else None
     ref_refs = loop.ref.run_each(loop.ref_call, shard_batch(batch, len(loop.ref)), micro=micro)
     own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
     old_refs = policy.run_each("logprobs", shard_batch(batch, len(policy)), micro=micro) if own else []
     value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
-    scores, rule_scores, rm_scores, rm_spread = score(texts, req.rows, reward, cfg, s.rule, rm_refs, s.moments,
-                                                      update=True)
-    scores = with_env_reward(scores, flat, cfg)
+    scores, rule_scores, rm_scores, rm_spread = req.scored or training_rewards(texts, req.rows, flat, reward, cfg,
+                                                                               s.rule, s.moments, rm_refs)
     mask, score_t = batch["response_mask"], torch.tensor(scores)
     rollout_lp = rl.pad_rows([x["logprobs"] for x in flat], mask.shape[1])
     ref_lp, old_lp = torch.cat(ray.get(ref_refs)), torch.cat(ray.get(old_refs)) if own else rollout_lp
@@ -695,11 +730,12 @@ def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) ->
     if own and (cfg.tis.enabled or cfg.rollout.async_):
         batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
     adv, returns, loop.hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, loop.kl_ctl.value, values)
+    loop.hp["tokens_per_row"] = mask.sum().item() / mask.shape[0]  # the dapo / cispo normalizer (rl.aggregate)
     if ppo:
         batch.update(old_values=values, returns=returns)
     batch.update(advantages=adv, old_logprobs=old_lp, ref_logprobs=ref_lp)
     return _Scored(req.rows, flat, texts, batch, scores, rule_scores, rm_scores, rm_spread, kl, mismatch, staleness,
-                   req.wait_s, gen_span, time.time() - t0)
+                   req.wait_s, gen_span, time.time() - t0, req.dynamic)
 
 
 def _train(s: _Session, loop: _Loop, batch: dict) -> dict:
@@ -750,6 +786,7 @@ def _log(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, s
         **({"rm_spread_mean": sum(spread) / len(spread)} if spread else {}),  # heads' disagreement
         **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(sc.texts, sc.rows)) / n} if s.gold else {}),
         **s.rule.counts(),  # rule_timeouts, rule_errors: calls of the rule reward that scored timeout_score
+        **sc.dynamic,  # dynamic sampling: the share of prompts kept before refills, the refill rounds
     }
     ctx.log_metrics(metrics, step=it + 1)
     loop.trend["reward"].append(metrics["reward_mean"])

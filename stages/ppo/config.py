@@ -113,6 +113,11 @@ class KLConfig(Section):
     controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep the coefficient, or steer KL to `target`.")
     target: float = Field(1.0, gt=0, description="Adaptive controller: target KL per sequence.")
     horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in sequences.")
+    importance_weighted: bool = Field(False, description="Group algorithms (KL in the loss, k3): multiply each "
+                                      "token's KL by the importance ratio pi / pi_old, which makes its gradient the "
+                                      "unbiased reverse-KL gradient once the policy has moved within an iteration "
+                                      "(DeepSeek-V3.2; TRL's use_bias_correction_kl, on there by default). Off: the "
+                                      "plain k3 term, as before.")
 
 
 class TISConfig(Section):
@@ -123,6 +128,29 @@ class TISConfig(Section):
                           "Off by default: with fp32 weights on CPU the engines match the trainer (the "
                           "logprob_mismatch metrics stay ~1e-6), so the weights are all ~1.")
     cap: float = Field(2.0, gt=0, description="Truncation of the importance weight (bounds its variance).")
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling: replace the groups that carry no learning signal (group algorithms)."""
+
+    enabled: bool = Field(False, description="After scoring, a prompt whose samples all scored the same (all right "
+                          "or all wrong: zero advantage under a group baseline) is replaced by a fresh prompt's "
+                          "group, sampled and scored in up to max_refills extra rounds. Still short after them: the "
+                          "batch is filled with the dropped groups (zero advantage), so its size never changes. "
+                          "Logged as dynamic_kept_share (before refills) and dynamic_refills.")
+    max_refills: int = Field(2, ge=1, description="Extra rounds of prompts (prompts_per_iteration each) at most "
+                             "per iteration: bounds the cost of an iteration whose prompts are nearly all solved "
+                             "or all failed.")
+
+
+class OverlongConfig(Section):
+    """DAPO's soft overlong punishment, added to each response's reward."""
+
+    cache: int | None = Field(None, ge=1, description="Tokens before the response limit (sampling.max_new_tokens, "
+                              "or environment.max_tokens) where the penalty starts: 0 up to limit - cache tokens, "
+                              "then falling linearly to -penalty at the limit (TRL's "
+                              "get_soft_overlong_punishment(limit, cache) times penalty). Empty: off.")
+    penalty: float = Field(1.0, gt=0, description="The penalty at the limit, in the reward's units.")
 
 
 class RewardMix(Section):
@@ -235,7 +263,26 @@ class PPOConfig(Section):
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per rank per forward pass (the rest is accumulation).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range.")
+    clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range: the ratio stays within "
+                            "[1 - clip_eps, 1 + clip_eps_high] (TRL's epsilon).")
+    clip_eps_high: float | None = Field(None, gt=0, description="The upper clip range, DAPO's clip-higher (0.28 in "
+                                        "the paper; TRL's epsilon_high). Empty: clip_eps, or 5.0 with loss_type "
+                                        "cispo, where it is the cap on the importance weight itself (ScaleRL's "
+                                        "value).")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] | None = Field(
+        None, description="How the policy loss averages its tokens, by TRL's GRPOConfig.loss_type names and "
+        "formulas (docs/objectives.md): 'bnpo' token mean of each micro-batch; 'grpo' each response's token mean, "
+        "then the mean over responses; 'dr_grpo' token sum / (responses x the response limit); 'dapo' token mean "
+        "over the optimizer step; 'cispo' dapo's average of MiniMax-M1's loss (the importance weight clipped at "
+        "clip_eps_high, no gradient through it, every token's gradient kept). Empty: 'bnpo' ('dr_grpo' with "
+        "algorithm: dr_grpo).")
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token", description="'token': one ratio per token (PPO, GRPO); 'sequence': one per response, the mean of "
+        "its tokens' log-ratios (GSPO; TRL's importance_sampling_level), with the GSPO paper's small clip ranges "
+        "(clip_eps: 0.0003, clip_eps_high: 0.0004) and loss_type: grpo.")
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig,
+                                                    description="DAPO's dynamic sampling (group algorithms).")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO's soft overlong penalty.")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (empty: no value clipping).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 per batch (PPO).")
@@ -288,6 +335,12 @@ class PPOConfig(Section):
         if self.algorithm in GROUPED and n < 2:
             raise ValueError(f"sampling.n: {self.algorithm} compares samples of the same prompt and needs n >= 2 "
                              f"(got {n}); set sampling.n: 4, or algorithm: ppo")
+        if self.dynamic_sampling.enabled and self.algorithm not in GROUPED:
+            raise ValueError(f"dynamic_sampling: {self.algorithm} has no group baseline, so no group is without a "
+                             f"signal; use it with {', '.join(GROUPED)}, or set dynamic_sampling.enabled: false")
+        if self.overlong.cache is not None and self.overlong.cache > self.response_tokens():
+            raise ValueError(f"overlong.cache ({self.overlong.cache}) exceeds the response limit "
+                             f"({self.response_tokens()} tokens); set it below, e.g. {self.response_tokens() // 4}")
         if rollouts % self.mini_batch_size:
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide prompts_per_iteration x "
                              f"sampling.n ({self.prompts_per_iteration} x {n} = {rollouts}); e.g. mini_batch_size: "
@@ -307,6 +360,13 @@ class PPOConfig(Section):
                 raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size x "
                                  f"{name}.num_ranks ({self.micro_batch_size} x {role.num_ranks} = {per_step})")
         return self
+
+    def objective(self) -> dict:
+        """The policy loss's settings (`rl.policy_loss`'s keywords), defaults resolved."""
+        agg = self.loss_type or ("dr_grpo" if self.algorithm == "dr_grpo" else "bnpo")
+        high = self.clip_eps_high if self.clip_eps_high is not None else 5.0 if agg == "cispo" else self.clip_eps
+        return {"agg": agg, "clip_eps": self.clip_eps, "clip_eps_high": high, "level": self.importance_sampling,
+                "kl_weighted": self.kl.importance_weighted}
 
     def response_tokens(self) -> int:
         """The longest response the trainer sees: one turn, or a whole multi-turn episode."""

@@ -179,7 +179,7 @@ def dr_grpo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
     GRPO's division by the group's std up-weights prompts whose samples nearly agree (too easy
     or too hard); Dr. GRPO drops it, and drops the per-response length normalisation in the loss
-    too (`aggregate(..., "seq_sum")`), so long wrong answers are not penalised less per token.
+    too (`aggregate(..., "dr_grpo")`), so long wrong answers are not penalised less per token.
     """
     groups = _groups(scores, group_size, minimum=1)
     return (groups - groups.mean(dim=1, keepdim=True)).view(-1)
@@ -237,49 +237,124 @@ def logprob_mismatch(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
 # --------------------------------------------------------------------------- losses
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None) -> torch.Tensor:
-    """A per-token loss (B, T) -> scalar.
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IMPORTANCE_LEVELS = ("token", "sequence")
 
-    "token_mean": mean over every real token of the batch (PPO, GRPO here; as in DAPO).
-    "seq_sum": each response's token sum divided by a constant (B x max_len), Dr. GRPO's
-    unbiased form: no response's tokens weigh more because the response is short.
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None,
+              tokens: float | None = None) -> torch.Tensor:
+    """A per-token loss (B, T) -> scalar, by TRL's `GRPOConfig.loss_type` names (same formulas).
+
+    "bnpo": the mean over every real token of the micro-batch (the default here, for every algorithm).
+    "grpo": each response's token mean, then the mean over responses (the GRPO paper's form: a short
+    response's tokens weigh more than a long one's).
+    "dr_grpo": the token sum divided by a constant, B x max_len (Dr. GRPO: no length bias).
+    "dapo" / "cispo": the token sum divided by `tokens`, the optimizer step's real tokens per micro-batch
+    (its mean over the iteration's batch: TRL's normalizer of the generation batch). Every token of an
+    optimizer step then weighs the same, whichever micro-batch it falls in. Without `tokens`: this
+    micro-batch's own token count (the same as "bnpo").
     """
-    if mode == "token_mean":
+    kept = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+    if mode == "bnpo":
         return masked_mean(per_token, mask)
-    if mode == "seq_sum":
+    if mode == "grpo":
+        return (kept.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if mode == "dr_grpo":
         if not max_len:
-            raise ValueError("seq_sum aggregation needs max_len (the longest response, e.g. max_new_tokens)")
-        kept = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
+            raise ValueError("dr_grpo aggregation needs max_len (the longest response, e.g. max_new_tokens)")
         return kept.sum() / (per_token.shape[0] * max_len)
-    raise ValueError(f"loss aggregation must be 'token_mean' or 'seq_sum', got {mode!r}")
+    if mode in ("dapo", "cispo"):
+        return kept.sum() / (tokens if tokens else mask.sum().clamp(min=1))
+    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {mode!r}")
+
+
+def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log(pi / pi_old) per token (B, T), or per response (B, 1): the mean of its tokens' (GSPO).
+
+    GSPO (Zheng et al. 2025) clips one ratio per response, the geometric mean of its tokens' ratios,
+    because the reward judges the response: a token ratio far from 1 then no longer zeroes its own
+    gradient alone, and the noise of single tokens averages out over the response.
+    """
+    log_ratio = logp - old_logp
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        kept = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+        return (kept.sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)
+    raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_LEVELS)}, got {level!r}")
 
 
 def policy_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-    weights: torch.Tensor | None = None, agg: str = "token_mean", max_len: int | None = None,
+    weights: torch.Tensor | None = None, agg: str = "bnpo", max_len: int | None = None,
+    clip_eps_high: float | None = None, level: str = "token", kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0, tokens: float | None = None, kl_weighted: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's clipped surrogate loss (Schulman et al. 2017), aggregated over real tokens.
+    """The policy's loss on one micro-batch: PPO's clipped surrogate (Schulman et al. 2017) or CISPO's,
+    plus the KL term, aggregated by `agg` (a `LOSS_TYPES` name, `aggregate`'s modes).
 
-    Taking the max of the two negated terms is the pessimistic bound: once the ratio has moved
-    more than clip_eps in the direction the advantage rewards, the clipped term wins and its
-    gradient is zero, so one batch cannot push the policy far. clip_frac is the share of tokens
-    where that happened; approx_kl (k2 between new and old policy) shows how far the step went.
-    `weights` (B, T), e.g. `tis_weights`, scale each token's term; `agg` is `aggregate`'s mode.
+    Clipped surrogate: the max of the two negated terms is the pessimistic bound. Once the ratio has
+    moved past [1 - clip_eps, 1 + clip_eps_high] in the direction the advantage rewards, the clipped term
+    wins and its gradient is zero, so one batch cannot push the policy far. `clip_eps_high` above
+    `clip_eps` is DAPO's clip-higher: a token the policy thought unlikely may grow further (exploration).
+    "cispo" (MiniMax-M1) clips the importance weight instead, min(ratio, clip_eps_high) with no
+    gradient through it, and keeps every token's gradient -w A grad(log p): no token is silenced.
+    `clip_eps_high` is then that cap itself (TRL's ε_max, 5.0 in ScaleRL), not 1 + it.
+
+    `level`: "token" or "sequence" ratios (`importance_log_ratio`, GSPO). `weights` (B, T), e.g.
+    `tis_weights`, scale each token's term; `kl` (B, T) per-token KL to the reference, added as
+    `kl_coef` * kl to each token's loss before aggregating (as TRL's GRPOTrainer does), times the
+    importance ratio with `kl_weighted` (DeepSeek-V3.2's unbiased KL gradient; TRL's default). `tokens`:
+    the dapo / cispo normalizer (`aggregate`). clip_frac is the share of tokens whose term was clipped;
+    approx_kl (k2 between new and old policy, token level) shows how far the step went.
     """
-    log_ratio = logp - old_logp
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = importance_log_ratio(logp, old_logp, mask, level)
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    per_token = torch.maximum(unclipped, clipped)
+    if agg == "cispo":
+        per_token = -ratio.clamp(max=high).detach() * advantages * logp
+        clipped_tokens = ((ratio > high) & (advantages > 0)).float()
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + high)
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_tokens = (clipped > unclipped).float()
     if weights is not None:
         per_token = per_token * weights
-    loss = aggregate(per_token, mask, agg, max_len)
+    if kl is not None and kl_coef:
+        per_token = per_token + kl_coef * (kl * ratio if kl_weighted else kl)
+    loss = aggregate(per_token.expand_as(mask), mask, agg, max_len, tokens)
     with torch.no_grad():
         stats = {
-            "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
-            "approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
+            "clip_frac": masked_mean(clipped_tokens.expand_as(mask), mask).item(),
+            "approx_kl": masked_mean(0.5 * (logp - old_logp) ** 2, mask).item(),
         }
     return loss, stats
+
+
+def overlong_penalty(lengths: list[int], max_len: int, cache: int) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), added to each response's reward:
+    0 up to max_len - cache tokens, then falling linearly to -1 at max_len, -1 beyond.
+
+    A response cut at the token limit usually has no answer, and the verifier scores it like a wrong
+    one; the ramp tells the policy it is getting long before it is cut. Same values as
+    `trl.rewards.get_soft_overlong_punishment(max_len, cache)`.
+    """
+    if cache <= 0 or cache > max_len:
+        raise ValueError(f"the overlong cache must be in 1..{max_len} tokens (the response limit), got {cache}")
+    start = max_len - cache
+    return [0.0 if n <= start else (start - n) / cache if n <= max_len else -1.0 for n in lengths]
+
+
+def dynamic_keep(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """DAPO's dynamic sampling: which prompts' groups (G,) carry a learning signal.
+
+    A group whose samples all scored the same (all right, or all wrong) has zero advantage under a
+    group baseline: it adds no policy gradient, only dilutes the batch. The loop replaces such groups
+    with fresh prompts (`stages.ppo.dynamic_sampling`).
+    """
+    groups = _groups(scores, group_size, minimum=2)
+    return (groups.max(1).values - groups.min(1).values) > eps
 
 
 def value_loss(

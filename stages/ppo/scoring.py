@@ -230,6 +230,43 @@ def with_env_reward(scores: list[float], flat: list[dict], cfg: PPOConfig) -> li
     return [s + cfg.environment.reward_weight * x["env_reward"] for s, x in zip(scores, flat)]
 
 
+def with_overlong(scores: list[float], flat: list[dict], cfg: PPOConfig) -> list[float]:
+    """The scores plus `overlong.penalty` x DAPO's soft overlong punishment of each response's length (all its
+    tokens, an episode's environment tokens too: what `response_tokens()` bounds). Training rewards only."""
+    from stages.ppo.rl import overlong_penalty
+
+    if cfg.overlong.cache is None:
+        return scores
+    ramp = overlong_penalty([len(x["ids"]) for x in flat], cfg.response_tokens(), cfg.overlong.cache)
+    return [s + cfg.overlong.penalty * r for s, r in zip(scores, ramp)]
+
+
+def training_rewards(texts: list[str], rows: list[dict], flat: list[dict], reward_group, cfg: PPOConfig, rule,
+                     moments: RunningMoments | None, model_refs: list | None = None
+                     ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """`score` as the training loop uses it (the reward model's moments updated), plus the environment's
+    reward and the overlong penalty: (reward, rule reward, reward model's raw score, heads' spread)."""
+    scores, rule_scores, raw, spread = score(texts, rows, reward_group, cfg, rule, model_refs, moments, update=True)
+    return with_overlong(with_env_reward(scores, flat, cfg), flat, cfg), rule_scores, raw, spread
+
+
+def keep_groups(generated: list[list[dict]], rows: list[dict], scored: tuple, keep: list[bool], n: int,
+                kept: list, dropped: list) -> None:
+    """Dynamic sampling's sorting: each prompt's group (its n rows, samples and scored columns) into `kept` or
+    `dropped` by `keep` (rl.dynamic_keep). A column without values (no reward model) stays empty."""
+    for g, flag in enumerate(keep):
+        columns = tuple(col[g * n:(g + 1) * n] for col in scored)
+        (kept if flag else dropped).append((rows[g * n:(g + 1) * n], generated[g], columns))
+
+
+def joined_groups(groups: list) -> tuple[list[dict], list[list[dict]], tuple]:
+    """`keep_groups`' groups back into one request's rows, samples per prompt and scored columns."""
+    rows = [r for g in groups for r in g[0]]
+    generated = [g[1] for g in groups]
+    scored = tuple([v for g in groups for v in g[2][i]] for i in range(len(groups[0][2])))
+    return rows, generated, scored
+
+
 def win_rate(before: list[float], after: list[float]) -> float:
     """How often an answer drawn from `after` beats one drawn from `before` by the gold scores: every pair
     compared, a tie counts a half (AlpacaFarm's win-rate)."""

@@ -206,12 +206,15 @@ class PPOWorker(Workhorse):
             for mb in _micro_batches(batch, hp["micro"], self.generator):
                 mask = mb["response_mask"]
                 logp, entropy = self._logprobs(mb, with_entropy=True)
+                # group estimators: the KL to the reference in the loss (k3, per token), not in the reward
+                kl = kl_penalty(logp, mb["ref_logprobs"], "k3") if hp["kl_loss_coef"] else None
                 loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps"],
-                                      weights=mb.get("tis_weights"), agg=hp["agg"], max_len=hp["max_len"])
+                                      weights=mb.get("tis_weights"), agg=hp["agg"], max_len=hp["max_len"],
+                                      clip_eps_high=hp["clip_eps_high"], level=hp["level"], kl=kl,
+                                      kl_coef=hp["kl_loss_coef"], tokens=hp["tokens_per_row"] * hp["micro"],
+                                      kl_weighted=hp["kl_weighted"])
                 ent = masked_mean(entropy, mask)
                 loss = loss - hp["entropy_coef"] * ent
-                if hp["kl_loss_coef"]:  # group estimators: KL to the reference in the loss, not in the reward
-                    loss = loss + hp["kl_loss_coef"] * masked_mean(kl_penalty(logp, mb["ref_logprobs"], "k3"), mask)
                 self.engine.backward(loss)
                 self.engine.step()
                 stats["policy_loss"].append(loss.item())
