@@ -1,4 +1,5 @@
-"""Command line: `python -m pipeline {run,plan,validate,ui,serve,batch-infer,submit} CONFIG [key.path=value ...]`.
+"""Command line: `python -m pipeline {run,plan,validate,ui,serve,batch-infer,submit} CONFIG [key.path=value ...]`,
+`python -m pipeline compare A B`.
 
     python -m pipeline validate configs/full.yaml                 # check the YAML, start nothing
     python -m pipeline plan configs/full.yaml --from data         # stages, hit/miss and why
@@ -9,6 +10,7 @@
     python -m pipeline batch-infer configs/full.yaml --prompts prompts.jsonl --output out/  # Parquet + summary
     python -m pipeline submit configs/full.yaml --address http://HEAD:8265 --wait   # as a Ray Job
     python -m pipeline status|logs|stop JOB_ID
+    python -m pipeline compare runs/full:sft runs/full     # two policies on the same held-out prompts, paired
 
 Exit codes (for schedulers; `run --json` also prints a machine-readable summary on stdout):
     0   success
@@ -25,6 +27,7 @@ is in `pipeline.reports`, the `ui` command's MLflow server in `pipeline.ui`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -109,7 +112,67 @@ def _parser() -> argparse.ArgumentParser:
     bi.add_argument("--prompts", type=Path, help="a .jsonl or .parquet file of prompts (default: stages.batch_infer.prompts)")
     bi.add_argument("--output", type=Path, help="a new directory for the results (default: <run_dir>/batch_infer/<time>)")
     bi.add_argument("--reward-model", help="a reward model (registry URI or directory) to score completions with")
+    cp = sub.add_parser("compare", help="two trained policies on the same held-out prompts: per metric the "
+                        "difference, prompts won and lost, and a paired sign test; logged to MLflow",
+                        description="Both policies answer every held-out prompt of their shared data stage (greedy, "
+                        "and --samples samples from one seed). A and B: a run directory (its newest ppo, dpo or "
+                        "sft policy; DIR:STAGE picks one), a stage's artifact directory "
+                        "(<run_dir>/artifacts/<stage>/<key>), or an MLflow run id.")
+    cp.add_argument("a", metavar="A", help="the first policy (the baseline)")
+    cp.add_argument("b", metavar="B", help="the second policy (what the differences are of: B - A)")
+    cp.add_argument("--config", type=Path, help="a pipeline YAML whose mlflow and ray settings to use (default: "
+                    "MLFLOW_TRACKING_URI, else A's run directory's store; a local Ray)")
+    cp.add_argument("--samples", type=int, default=8, help="sampled answers per prompt besides the greedy one "
+                    "(default 8; 0: greedy only)")
+    cp.add_argument("--prompts", type=int, help="compare on the first N held-out prompts only (default: all)")
+    cp.add_argument("--max-tokens", type=int, help="tokens per answer at most (default: A's training setting)")
+    cp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    cp.add_argument("--seed", type=int, default=12345, help="the sampling seed both policies share (default 12345)")
+    cp.add_argument("--reward-model", help="a reward model directory to score both with (default: the one both "
+                    "runs trained against, if they share one)")
+    cp.add_argument("--tracking-uri", help="the MLflow store of run ids and of the comparison's run")
+    cp.add_argument("--json", dest="json_out", action="store_true",
+                    help="print the result as JSON on stdout (progress on stderr)")
     return p
+
+
+def _compare(args, console) -> int:
+    from stages.compare import compare_runs, print_comparison
+
+    for flag, value, low in (("--samples", args.samples, 0), ("--prompts", args.prompts, 1),
+                             ("--max-tokens", args.max_tokens, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: must be at least {low}")
+    cfg = None
+    if args.config is not None:
+        from pipeline.config import load_config
+
+        cfg = load_config(args.config, [])
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking_uri if cfg else None)
+    from pipeline import console as console_mod
+    from stages.compare import find_policy
+
+    if args.json_out:
+        from rich.console import Console
+
+        router = console_mod.current()
+        console = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
+    # Ray's and vLLM's output goes to A's run directory's logs/compare.log, as a run's stages' does
+    with console_mod.run_logs(find_policy(args.a, uri).run_dir), console_mod.stage_log("compare") as log_path:
+        if log_path:
+            console.print(f"compare: library output in {log_path}")
+        result = compare_runs(args.a, args.b, samples=args.samples, prompts=args.prompts, max_tokens=args.max_tokens,
+                              temperature=args.temperature, seed=args.seed, reward_model=args.reward_model,
+                              tracking_uri=uri, log_to=cfg.tracking_uri if cfg else None,
+                              experiment=cfg.mlflow.experiment if cfg else "posttrain",
+                              ray_cfg=cfg.ray if cfg else None, log=lambda m: console.print(f"compare: {m}"))
+    if args.json_out:
+        router = console_mod.current()
+        print(json.dumps(result, indent=2), file=router.out if router else sys.stdout)
+    else:
+        print_comparison(result, console)
+        console.print(f"logged to MLflow run {result['run_id']}")
+    return 0
 
 
 def _default_model(cfg) -> str:
@@ -163,10 +226,10 @@ def main(argv: list[str] | None = None) -> int:
 
     as_json = getattr(args, "json", False)
     router = None
-    if args.command == "run":  # library output goes to log files; the consoles write to the original streams
+    if args.command in ("run", "compare"):  # library output goes to log files; the consoles write to the original streams
         from pipeline.console import Router
 
-        router = Router(verbose=args.verbose)
+        router = Router(verbose=getattr(args, "verbose", False))
     err = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
     # with --json, stdout is the summary
     console = err if as_json else Console(file=router.out if router else sys.stdout, highlight=False, soft_wrap=True)
@@ -264,6 +327,8 @@ def _command(args, console, state: dict) -> int:
         return jobs.logs(args.address, args.job_id, args.follow)
     if args.command == "stop":
         return jobs.stop(args.address, args.job_id, console, args.timeout)
+    if args.command == "compare":
+        return _compare(args, console)
     if args.command == "submit" and not any(o.startswith("ray.address=") for o in args.overrides):
         # The job's driver joins its cluster (RAY_ADDRESS is set for it); nor is this machine's CPU count
         # the limit to validate against.

@@ -96,7 +96,8 @@ def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, 
 @pytest.mark.slow
 def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_the_object_store(
         ray_local, run_dir, tracking_uri, monkeypatch):
-    """GRPO with `rollout.async`: iteration i+1's rollouts are generated while iteration i trains. With
+    """GRPO with `rollout.async` and DAPO's loss, clip-higher, dynamic sampling and overlong penalty: iteration
+    i+1's rollouts are generated while iteration i trains. With
     `storage.uri` the ranks' DeepSpeed shards and the driver state go to the bucket; the run is interrupted
     after the checkpoint of iteration 8, and a rerun on a machine without the local checkpoints (wiped
     here) pulls them and continues after iteration 8. Learning is judged over the whole run (both halves)."""
@@ -108,7 +109,12 @@ def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_t
     from helpers.s3 import S3Server
 
     with S3Server() as s3:
-        grpo = [*LEARN, "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true", "stages.ppo.rewards.model_weight=0",
+        # DAPO's pieces on the asynchronous path (docs/objectives.md): the loop's wiring of them is under test
+        # here, their math in tests/test_grpo_oracle.py and tests/test_ppo_units.py
+        dapo = ["stages.ppo.loss_type=dapo", "stages.ppo.clip_eps_high=0.28", "stages.ppo.dynamic_sampling.enabled=true",
+                "stages.ppo.overlong.cache=2", "stages.ppo.overlong.penalty=0.05"]
+        grpo = [*LEARN, *dapo, "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true",
+                "stages.ppo.rewards.model_weight=0",
                 "stages.ppo.iterations=16", "stages.ppo.checkpoint_every=8", "stages.ppo.eval_prompts=0",
                 f"storage.uri=s3://{s3.bucket}/ppo", f"storage.endpoint_url={s3.endpoint}"]
         started = int(time.time() * 1000)
@@ -141,6 +147,12 @@ def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_t
     reward = whole("reward_mean")
     first, last = sum(reward[i] for i in (1, 2, 3, 4)) / 4, sum(reward[i] for i in (13, 14, 15, 16)) / 4
     assert last > first + 0.1, reward
+    # dynamic sampling ran every iteration; the overlong penalty lowered the reward below the rule's where
+    # responses reached the token limit
+    kept, refills = whole("dynamic_kept_share"), whole("dynamic_refills")
+    assert sorted(kept) == sorted(refills) == list(range(1, 17)) and all(0 <= v <= 1 for v in kept.values())
+    rule, cut = whole("rule_reward_mean"), whole("truncated_frac")
+    assert any(cut[i] > 0 for i in cut) and all(reward[i] < rule[i] for i in cut if cut[i] > 0), (reward, rule, cut)
     assert not whole("value_loss")  # no critic
     # The engines tag their samples with the weights' version: the first batch comes from the SFT weights,
     # every later one from the weights one update before the policy that trains on it (the bound is 1).

@@ -68,6 +68,17 @@ def sign_test_p(improved: int, worsened: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Two policies' per-prompt values of one metric on the same prompts: their means, the difference b - a,
+    the prompts where b is higher (`won`) and lower (`lost`), and the sign test over those (ties drop out)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired values need the same prompts: got {len(a)} and {len(b)}")
+    won, lost = sum(y > x for x, y in zip(a, b)), sum(y < x for x, y in zip(a, b))
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+    return {"a": mean_a, "b": mean_b, "diff": mean_b - mean_a, "won": float(won), "lost": float(lost),
+            "p": sign_test_p(won, lost)}
+
+
 def compare(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, float]:
     """Held-out metrics before/after training, with a paired sign test per measure over the prompts.
 

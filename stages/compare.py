@@ -1,0 +1,329 @@
+"""`python -m pipeline compare A B`: two trained policies answer the same held-out prompts, paired.
+
+Each run's stages report a sign test against their own start; two runs (two configs, two methods) were
+compared only by eye. Here both policies answer every held-out prompt of their (shared) data stage, greedy
+and `samples` times with one fixed seed, so they draw from the same random stream. Per metric the pipeline
+judges by (the task verifier's accuracy; the gold preference's score when the task has one; the reward
+model's score with the reward model the runs trained against, or `--reward-model`), the command prints and logs
+to MLflow: each policy's mean, the difference B - A, the prompts B won and lost, and the two-sided exact
+sign test over the prompts that differ (`stages.common.evaluation.paired`).
+
+A and B: a run directory (its newest finished policy: ppo, dpo or sft; `DIR:STAGE` picks the stage), a
+stage's artifact directory (`<run_dir>/artifacts/<stage>/<key>`), or the MLflow run id of a pipeline run or of
+one of its stage runs. A pair whose held-out prompts differ, whose task verifiers or gold preferences differ,
+or a policy trained with an environment (multi-turn episodes: not compared here) is refused, naming why.
+
+Sections: finding the two policies (files and MLflow only), answering (vLLM engines on Ray: the held-out
+evaluation's `engine_answers`), scoring, and the command.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import UserError
+
+POLICY_STAGES = ("ppo", "dpo", "sft")  # the stages whose output is a policy, the usual last one first
+OUTPUT = {"ppo": "policy_model", "dpo": "dpo_model", "sft": "sft_model"}
+RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+FORMS = ("a run directory (DIR, or DIR:STAGE with STAGE one of ppo, dpo, sft), a stage's artifact directory "
+         "(<run_dir>/artifacts/<stage>/<key>), or an MLflow run id (with --tracking-uri or MLFLOW_TRACKING_URI)")
+
+
+# --------------------------------------------------------------------------- finding the two policies
+
+
+@dataclass
+class Policy:
+    """One side of the comparison: a finished policy stage of some run, and what it was trained on."""
+
+    given: str  # what the user passed
+    stage: str
+    key: str
+    run_dir: Path
+    manifest: dict
+
+    @property
+    def model_dir(self) -> Path:
+        from pipeline.storage import artifact_dir, output_paths
+
+        return output_paths(self.manifest, artifact_dir(self.run_dir, self.stage, self.key))[OUTPUT[self.stage]]
+
+    @property
+    def config(self) -> dict:
+        return self.manifest["components"]["config"]
+
+    @property
+    def data_key(self) -> str | None:
+        return self.manifest["components"].get("upstream", {}).get("prompt_data")
+
+    @property
+    def prompts_dir(self) -> Path:
+        return self.run_dir / "artifacts" / "data" / str(self.data_key) / "prompts" / "eval"
+
+    def describe(self) -> str:
+        return f"{self.given}: {self.stage} {self.key} ({self.model_dir})"
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("stage") in POLICY_STAGES else None
+
+
+def _from_artifact_dir(given: str, directory: Path) -> Policy:
+    manifest = _read_manifest(directory / "manifest.json")
+    if manifest is None:
+        raise UserError(f"{given}: {directory / 'manifest.json'} is not a finished ppo, dpo or sft stage's "
+                        f"manifest; give {FORMS}")
+    return Policy(given, manifest["stage"], manifest["key"], directory.parents[2], manifest)
+
+
+def _newest(given: str, run_dir: Path, stage: str | None) -> Policy:
+    stages = (stage,) if stage else POLICY_STAGES
+    found = []
+    for name in stages:
+        for path in (run_dir / "artifacts" / name).glob("*/manifest.json"):
+            manifest = _read_manifest(path)
+            if manifest is not None:
+                found.append((str(manifest.get("finished", "")), manifest))
+    if not found:
+        raise UserError(f"{given}: no finished {' or '.join(stages)} stage under {run_dir / 'artifacts'}; run the "
+                        f"pipeline there first, or give {FORMS}")
+    manifest = max(found, key=lambda item: item[0])[1]
+    return Policy(given, manifest["stage"], manifest["key"], run_dir, manifest)
+
+
+def _from_run_id(given: str, tracking_uri: str | None) -> Policy:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    if not tracking_uri:
+        raise UserError(f"{given}: an MLflow run id needs the tracking store: pass --tracking-uri URI or set "
+                        "MLFLOW_TRACKING_URI")
+    client = MlflowClient(tracking_uri)
+    try:
+        run = client.get_run(given)
+    except MlflowException as exc:
+        raise UserError(f"{given}: no such MLflow run in {tracking_uri} ({str(exc).splitlines()[0]})") from None
+    if "stage" not in run.data.tags:  # a pipeline run: its policy stage's run
+        children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{given}'")
+        by_stage = {c.data.tags.get("stage"): c for c in children}
+        stage = next((s for s in POLICY_STAGES if s in by_stage), None)
+        if stage is None:
+            raise UserError(f"{given}: this pipeline run has no ppo, dpo or sft stage run")
+        parent, run = given, by_stage[stage]
+    else:
+        parent = run.data.tags.get("mlflow.parentRunId")
+    stage, key = run.data.tags["stage"], run.data.tags.get("cache_key")
+    if stage not in POLICY_STAGES or not key or not parent:
+        raise UserError(f"{given}: the run of stage {stage!r} holds no policy; give a ppo, dpo or sft stage's run")
+    resolved = json.loads(Path(client.download_artifacts(parent, "resolved_config.json")).read_text())
+    directory = Path(resolved["run_dir"]) / "artifacts" / stage / key
+    if not (directory / "manifest.json").is_file():
+        raise UserError(f"{given}: its artifact {directory} is not on this machine (the run's run_dir); compare "
+                        "where the run was made, or copy its run directory here")
+    return _from_artifact_dir(given, directory)
+
+
+def find_policy(given: str, tracking_uri: str | None = None) -> Policy:
+    """A or B, in any of `FORMS`, as a `Policy`."""
+    path, _, stage = given.partition(":") if not Path(given).exists() else (given, "", "")
+    directory = Path(path).expanduser().absolute()
+    if stage and stage not in POLICY_STAGES:
+        raise UserError(f"{given}: {stage!r} is not a policy stage; use one of {', '.join(POLICY_STAGES)}")
+    if (directory / "manifest.json").is_file():
+        return _from_artifact_dir(given, directory)
+    if (directory / "artifacts").is_dir():
+        return _newest(given, directory, stage or None)
+    if RUN_ID.match(given):
+        return _from_run_id(given, tracking_uri)
+    raise UserError(f"{given}: not found; give {FORMS}")
+
+
+def shared_task(a: Policy, b: Policy) -> tuple[str, str | None]:
+    """The task both policies are judged by: (verifier, gold preference or None); refused when they differ."""
+    verifiers = {p.config.get("task.verifier", "number") for p in (a, b)}
+    if len(verifiers) > 1:
+        raise UserError(f"the runs' task verifiers differ ({a.given}: {a.config.get('task.verifier')}, {b.given}: "
+                        f"{b.config.get('task.verifier')}): accuracy would mean two things; compare runs of one task")
+    golds = {p.config["task.preference"].get("gold") for p in (a, b) if p.config.get("task.preference")} - {None}
+    if len(golds) > 1:
+        raise UserError(f"the runs' gold preferences differ ({', '.join(sorted(golds))}): the gold score would mean "
+                        "two things; compare runs of one task")
+    return verifiers.pop(), (golds.pop() if golds else None)
+
+
+def shared_prompts(a: Policy, b: Policy) -> list[dict]:
+    """The held-out prompt rows both policies answer: the same prompts in the same order, or a refusal."""
+    from stages.common.parquet import read_rows
+
+    rows = {}
+    for p in (a, b):
+        if not p.data_key or not p.prompts_dir.is_dir():
+            raise UserError(f"{p.given}: its held-out prompts ({p.prompts_dir}) are not on this machine; compare "
+                            "where the run was made")
+        rows[p.given] = read_rows(p.prompts_dir)
+    ra, rb = rows[a.given], rows[b.given]
+    if [r["prompt"] for r in ra] != [r["prompt"] for r in rb]:
+        diff = next((i for i, (x, y) in enumerate(zip(ra, rb)) if x["prompt"] != y["prompt"]), min(len(ra), len(rb)))
+        raise UserError(
+            f"the runs were evaluated on different held-out prompts: {a.given} has {len(ra)} (data {a.data_key}), "
+            f"{b.given} has {len(rb)} (data {b.data_key}), first different at prompt {diff + 1}. A paired test needs "
+            "the same prompts: compare runs made with the same stages.data settings and seed")
+    if not ra:
+        raise UserError(f"the runs' held-out prompt set ({a.prompts_dir}) is empty: nothing to compare on")
+    return ra
+
+
+def shared_reward_model(a: Policy, b: Policy, given: str | None) -> Path | None:
+    """The reward model both are scored by: --reward-model, else the one they trained against (one side's, if
+    only one trained against one: a judge scores both alike), else None (two different ones: no common judge)."""
+    if given:
+        path = Path(given).expanduser().absolute()
+        if not (path / "config.json").is_file():
+            raise UserError(f"--reward-model {given}: not a model directory (no config.json)")
+        return path
+    from pipeline.storage import artifact_dir, output_paths
+
+    found = {p.manifest["components"].get("upstream", {}).get("reward_model"): p.run_dir for p in (a, b)}
+    found.pop(None, None)
+    if len(found) != 1:
+        return None
+    [(key, run_dir)] = found.items()
+    manifest = _read_reward_manifest(run_dir, key)
+    return output_paths(manifest, artifact_dir(run_dir, "reward", key))["reward_model"] if manifest else None
+
+
+def _read_reward_manifest(run_dir: Path, key: str) -> dict | None:
+    try:
+        return json.loads((run_dir / "artifacts" / "reward" / key / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- answering and scoring
+
+
+def score_answers(answers, rows: list[dict], verifier: str, gold, reward) -> dict[str, list[float]]:
+    """Per prompt, the mean of each metric over its answers (`engine_answers`' texts): `accuracy` by the task
+    verifier, `gold` by the gold preference, `reward` by the reward model (a callable on (prompt, text) pairs)."""
+    from stages.common.evaluation import per_prompt_accuracy
+
+    out = {"accuracy": per_prompt_accuracy(answers, rows, verifier)}
+    if gold is not None:
+        out["gold"] = [sum(float(gold(r["prompt"], t)) for t in texts) / max(len(texts), 1)
+                       for (texts, _), r in zip(answers, rows)]
+    if reward is not None:
+        scores = reward([(r["prompt"], t) for (texts, _), r in zip(answers, rows) for t in texts])
+        out["reward"], i = [], 0
+        for texts, _ in answers:
+            out["reward"].append(sum(scores[i:i + len(texts)]) / max(len(texts), 1))
+            i += len(texts)
+    return out
+
+
+def reward_scorer(reward_dir: Path):
+    """The reward model in this process, scoring (prompt, response) pairs as in its training (an ensemble: its
+    heads' mean); None without one."""
+    from stages.common.models import load_model, load_tokenizer, saved_heads
+    from stages.common.training import ensemble_score, reward_scores
+
+    tok = load_tokenizer(reward_dir)
+    model = load_model(reward_dir, "sequence", tok.pad_token_id, saved_heads(reward_dir)).eval()
+    return lambda pairs: [ensemble_score(h) for h in reward_scores(model, tok, pairs, micro=64)]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def compare_runs(a_given: str, b_given: str, *, samples: int = 8, prompts: int | None = None,
+                 max_tokens: int | None = None, temperature: float = 1.0, seed: int = 12345,
+                 reward_model: str | None = None, tracking_uri: str | None = None, log_to: str | None = None,
+                 experiment: str = "posttrain", ray_cfg=None, log=print) -> dict[str, Any]:
+    """The whole comparison; returns {"a", "b", "prompts", "metrics": {name: paired stats}, "run_id"}.
+    `tracking_uri`: where MLflow run ids are looked up; `log_to`: the store the comparison's run goes to
+    (default: `tracking_uri`, else A's run directory's)."""
+    from pipeline.cluster import ensure_ray, shutdown_ray
+    from pipeline.config import RayConfig
+    from stages.common.evaluation import engine_answers, paired
+    from stages.common.tasks import gold_function
+
+    a, b = find_policy(a_given, tracking_uri), find_policy(b_given, tracking_uri)
+    for p in (a, b):
+        if p.stage == "ppo" and p.config.get("stages.ppo", {}).get("environment"):
+            raise UserError(f"{p.given}: its policy was trained with an environment (multi-turn episodes); compare "
+                            "answers single-turn prompts only")
+    if (a.stage, a.key, a.run_dir) == (b.stage, b.key, b.run_dir):
+        raise UserError(f"{a_given} and {b_given} are the same policy ({a.stage} {a.key}): nothing to compare")
+    verifier, gold_spec = shared_task(a, b)
+    rows = shared_prompts(a, b)[:prompts]
+    reward_dir = shared_reward_model(a, b, reward_model)
+    tokens = max_tokens or _max_tokens(a) or _max_tokens(b) or 64
+    log(f"A = {a.describe()}")
+    log(f"B = {b.describe()}")
+    log(f"{len(rows)} held-out prompts, greedy and {samples} samples each (temperature {temperature}, seed {seed}, "
+        f"at most {tokens} tokens); metrics: accuracy ({verifier})" + (f", gold ({gold_spec})" if gold_spec else "")
+        + (f", reward ({reward_dir})" if reward_dir else ", no reward (no reward model common to both runs; "
+                                                         "--reward-model DIR)"))
+    samplings = [{"temperature": 0.0, "max_tokens": tokens},
+                 {"n": samples, "temperature": temperature, "top_p": 1.0, "max_tokens": tokens, "seed": seed}]
+    started = ensure_ray(ray_cfg or RayConfig())
+    t0 = time.time()
+    try:  # both policies at once, an engine each
+        answers = engine_answers([a.model_dir, b.model_dir], [r["prompt_ids"] for r in rows],
+                                 samplings[:1 + bool(samples)], seed)
+    finally:
+        if started:
+            shutdown_ray()
+    log(f"answered in {time.time() - t0:.0f}s; scoring")
+    gold = gold_function(gold_spec) if gold_spec else None
+    reward = reward_scorer(reward_dir) if reward_dir else None
+    metrics: dict[str, dict] = {}
+    for side_answers, prefix in zip(zip(*answers), ("", "sampled_")):
+        sa, sb = (score_answers(x, rows, verifier, gold, reward) for x in side_answers)
+        metrics |= {prefix + name: paired(sa[name], sb[name]) for name in sa}
+    result = {"a": a.describe(), "b": b.describe(), "prompts": len(rows), "metrics": metrics}
+    store = log_to or tracking_uri or f"sqlite:///{a.run_dir / 'mlflow.db'}"
+    result["run_id"] = _log_to_mlflow(a, b, result, store, experiment, {
+        "samples": samples, "max_tokens": tokens, "temperature": temperature, "seed": seed})
+    return result
+
+
+def _max_tokens(p: Policy) -> int | None:
+    if p.stage == "ppo":
+        return p.config.get("stages.ppo", {}).get("sampling", {}).get("max_new_tokens")
+    return p.config.get(f"stages.{p.stage}", {}).get("max_new_tokens")
+
+
+def _log_to_mlflow(a: Policy, b: Policy, result: dict, tracking_uri: str, experiment: str, params: dict) -> str:
+    """One MLflow run named `compare`: the two policies as tags, every paired statistic as a metric."""
+    from pipeline.tracking import Tracker, log_params
+
+    tracker = Tracker(tracking_uri, experiment, a.run_dir, run_name="compare",
+                      tags={"compare_a": result["a"], "compare_b": result["b"], "kind": "compare"})
+    log_params(tracker.client, tracker.parent_id, {**params, "prompts": result["prompts"]})
+    tracker.log_metrics(tracker.parent_id, {f"{name}_{stat}": value for name, stats in result["metrics"].items()
+                                            for stat, value in stats.items()})
+    tracker.log_dict(tracker.parent_id, result, "compare.json")
+    tracker.end(tracker.parent_id)
+    return tracker.parent_id
+
+
+def print_comparison(result: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"B vs A on {result['prompts']} held-out prompts (paired sign test)")
+    for col in ("metric", "A", "B", "B - A", "B won", "B lost", "p"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for name, s in result["metrics"].items():
+        table.add_row(name, f"{s['a']:.4f}", f"{s['b']:.4f}", f"{s['diff']:+.4f}", f"{s['won']:.0f}",
+                      f"{s['lost']:.0f}", f"{s['p']:.3g}")
+    console.print(table)
