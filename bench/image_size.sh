@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The container image's size before issue 49 and now, built in one invocation on this machine:
 #   before: the Dockerfile as of eecd0d5 (one stage, setup as the app user with every extra, pip's cache kept),
-#           with the two edits it needs to build at all without a registry: its base made a build argument
-#           (scripts/image_check.sh's debootstrap base) and pip's configuration passed in
+#           with the edits it needs to build at all here: its base made a build argument (scripts/image_check.sh's
+#           debootstrap base), pip's configuration passed in, and /app owned by the app user (WORKDIR makes it
+#           root's, and its setup, run as app, could not create /app/.venv: the first attempt failed there)
 #   after:  today's Dockerfile
 # Both from today's tree, both EXTRA=cpu, both by scripts/image_check.sh with BUILD_ONLY=1 (removes the images).
 #   bench/image_size.sh      (as root; about 25 minutes)
@@ -13,8 +14,9 @@ logs="$(mktemp -d /var/tmp/image-size.XXXXXX)"
 trap 'rm -rf "$before" "$logs"' EXIT
 git show eecd0d5:Dockerfile \
   | sed -e 's/^FROM python:3.11.11-slim-bookworm$/ARG BASE_IMAGE=python:3.11.11-slim-bookworm\nFROM ${BASE_IMAGE}\nARG PIP_CONFIG_FILE/' \
-        -e 's#export TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu#:#' > "$before"
-grep -q 'ARG PIP_CONFIG_FILE' "$before" || { echo "image_size: the old Dockerfile did not take the edit" >&2; exit 1; }
+        -e 's#export TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu#:#' \
+        -e 's#^WORKDIR /app$#WORKDIR /app\nRUN chown app:app /app#' > "$before"
+grep -q 'ARG PIP_CONFIG_FILE' "$before" && grep -q 'RUN chown app:app /app' "$before" || { echo "image_size: the old Dockerfile did not take the edit" >&2; exit 1; }
 
 build() {  # build NAME DOCKERFILE: sets MIB and SECONDS_TAKEN from scripts/image_check.sh's report
   DOCKERFILE="$2" BUILD_ONLY=1 bash scripts/image_check.sh > "$logs/$1.txt" 2>&1 \

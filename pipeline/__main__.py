@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--samples", type=int, default=8, help="sampled answers per prompt besides the greedy one "
                     "(default 8; 0: greedy only)")
     cp.add_argument("--prompts", type=int, help="compare on the first N held-out prompts only (default: all)")
-    cp.add_argument("--max-tokens", type=int, help="tokens per answer at most (default: A's training setting)")
+    cp.add_argument("--max-tokens", type=int, help="tokens per answer at most, for both (default: the longer of their training settings)")
     cp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     cp.add_argument("--seed", type=int, default=12345, help="the sampling seed both policies share (default 12345)")
     cp.add_argument("--reward-model", help="a reward model directory to score both with (default: the one both "

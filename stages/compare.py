@@ -161,8 +161,9 @@ def shared_task(a: Policy, b: Policy) -> tuple[str, str | None]:
     return verifiers.pop(), (golds.pop() if golds else None)
 
 
-def shared_prompts(a: Policy, b: Policy) -> list[dict]:
-    """The held-out prompt rows both policies answer: the same prompts in the same order, or a refusal."""
+def shared_prompts(a: Policy, b: Policy) -> tuple[list[dict], list[dict]]:
+    """The held-out prompt rows both policies answer, each side's own (its data stage tokenized them for its
+    model: two runs' tokenizers may differ): the same prompts in the same order, or a refusal."""
     from stages.common.parquet import read_rows
 
     rows = {}
@@ -180,7 +181,7 @@ def shared_prompts(a: Policy, b: Policy) -> list[dict]:
             "the same prompts: compare runs made with the same stages.data settings and seed")
     if not ra:
         raise UserError(f"the runs' held-out prompt set ({a.prompts_dir}) is empty: nothing to compare on")
-    return ra
+    return ra, rb
 
 
 def shared_reward_model(a: Policy, b: Policy, given: str | None) -> Path | None:
@@ -264,9 +265,10 @@ def compare_runs(a_given: str, b_given: str, *, samples: int = 8, prompts: int |
     if (a.stage, a.key, a.run_dir) == (b.stage, b.key, b.run_dir):
         raise UserError(f"{a_given} and {b_given} are the same policy ({a.stage} {a.key}): nothing to compare")
     verifier, gold_spec = shared_task(a, b)
-    rows = shared_prompts(a, b)[:prompts]
+    rows, rows_b = (side[:prompts] for side in shared_prompts(a, b))
     reward_dir = shared_reward_model(a, b, reward_model)
-    tokens = max_tokens or _max_tokens(a) or _max_tokens(b) or 64
+    # one limit for both (a paired test), the longer of their training settings: neither is cut short
+    tokens = max_tokens or max(_max_tokens(a) or 0, _max_tokens(b) or 0) or 64
     log(f"A = {a.describe()}")
     log(f"B = {b.describe()}")
     log(f"{len(rows)} held-out prompts, greedy and {samples} samples each (temperature {temperature}, seed {seed}, "
@@ -278,8 +280,8 @@ def compare_runs(a_given: str, b_given: str, *, samples: int = 8, prompts: int |
     started = ensure_ray(ray_cfg or RayConfig())
     t0 = time.time()
     try:  # both policies at once, an engine each
-        answers = engine_answers([a.model_dir, b.model_dir], [r["prompt_ids"] for r in rows],
-                                 samplings[:1 + bool(samples)], seed)
+        answers = engine_answers([a.model_dir, b.model_dir], [], samplings[:1 + bool(samples)], seed,
+                                 own_prompt_ids=[[r["prompt_ids"] for r in side] for side in (rows, rows_b)])
     finally:
         if started:
             shutdown_ray()

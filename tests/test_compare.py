@@ -18,14 +18,14 @@ from stages.compare import find_policy, shared_prompts, shared_task
 
 
 def fake_run(run_dir: Path, stages: dict[str, str], prompts: list[str], verifier: str = "number",
-             gold: str | None = None) -> Path:
+             gold: str | None = None, ids: list[int] = (1, 2)) -> Path:
     """A run directory with a finished manifest per stage (stage -> finished time) and held-out prompts."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     eval_dir = run_dir / "artifacts" / "data" / "d0" / "prompts" / "eval"
     eval_dir.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([{"prompt": p, "prompt_ids": [1, 2], "answer": "1"} for p in prompts]),
+    pq.write_table(pa.Table.from_pylist([{"prompt": p, "prompt_ids": list(ids), "answer": "1"} for p in prompts]),
                    eval_dir / "part.parquet")
     output = {"ppo": "policy_model", "dpo": "dpo_model", "sft": "sft_model"}
     for stage, finished in stages.items():
@@ -61,7 +61,8 @@ def test_a_pair_on_different_prompts_or_tasks_is_refused_naming_why(tmp_path):
     with pytest.raises(UserError, match=r"different held-out prompts: .* has 3 .*first different at prompt 2"):
         shared_prompts(a, b)
     same = find_policy(str(fake_run(tmp_path / "c", {"sft": "1"}, ["p1", "p2", "p3"], gold="explained")))
-    assert [r["prompt"] for r in shared_prompts(a, same)] == ["p1", "p2", "p3"]
+    rows_a, rows_b = shared_prompts(a, same)
+    assert [r["prompt"] for r in rows_a] == [r["prompt"] for r in rows_b] == ["p1", "p2", "p3"]
     assert shared_task(a, same) == ("number", "explained")  # one side's gold judges both
     other = find_policy(str(fake_run(tmp_path / "d", {"sft": "1"}, ["p1", "p2", "p3"], verifier="exact")))
     with pytest.raises(UserError, match="task verifiers differ"):
@@ -94,6 +95,32 @@ def test_a_policy_is_found_by_its_mlflow_run_id(tmp_path):
         assert (got.stage, got.key, got.run_dir) == ("ppo", "ppokey", run)
     with pytest.raises(UserError, match="no such MLflow run"):
         find_policy("f" * 32, uri)
+
+
+def test_each_policy_answers_the_prompts_as_its_own_run_tokenized_them(tmp_path, monkeypatch):
+    """Two runs' models may have different tokenizers (a built-in model's is trained on its task's corpus):
+    each answers its own run's prompt ids, and the same limit and seed hold for both."""
+    import pipeline.cluster
+    import stages.common.evaluation
+    import stages.compare
+
+    a = fake_run(tmp_path / "a", {"ppo": "1"}, ["p1", "p2"], ids=(5, 6, 7))
+    b = fake_run(tmp_path / "b", {"sft": "1"}, ["p1", "p2"], ids=(9, 9))
+    seen = {}
+
+    def answers(model_dirs, prompt_ids, samplings, seed, storage=None, own_prompt_ids=None):
+        seen.update(dirs=model_dirs, own=own_prompt_ids, samplings=samplings, seed=seed)
+        right = [(["1"], [False]), (["1"], [False])]
+        return [[right] * len(samplings), [[(["0"], [False]), (["1"], [False])]] * len(samplings)]
+
+    monkeypatch.setattr(stages.common.evaluation, "engine_answers", answers)
+    monkeypatch.setattr(pipeline.cluster, "ensure_ray", lambda *a, **k: False)
+    monkeypatch.setattr(stages.compare, "_log_to_mlflow", lambda *a, **k: "run-id")
+    result = stages.compare.compare_runs(str(a), str(b), samples=2, log=lambda m: None)
+    assert seen["own"] == [[[5, 6, 7], [5, 6, 7]], [[9, 9], [9, 9]]]
+    assert seen["dirs"] == [a / "artifacts/ppo/ppokey/model", b / "artifacts/sft/sftkey/model"]
+    assert [s.get("seed") for s in seen["samplings"]] == [None, 12345] and seen["samplings"][1]["n"] == 2
+    assert result["metrics"]["accuracy"] == {"a": 1.0, "b": 0.5, "diff": -0.5, "won": 0.0, "lost": 1.0, "p": 1.0}
 
 
 def test_the_command_refuses_a_pair_on_different_prompts_with_exit_2(tmp_path):

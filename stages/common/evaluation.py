@@ -17,36 +17,38 @@ from pathlib import Path
 
 
 def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], samplings: list[dict], seed: int,
-                   storage=None) -> list[list[list[tuple[list[str], list[bool]]]]]:
+                   storage=None, own_prompt_ids: list[list[list[int]]] | None = None
+                   ) -> list[list[list[tuple[list[str], list[bool]]]]]:
     """Each model's answers to every prompt under each sampling (vLLM `SamplingParams` fields: `n`,
     `temperature`, `max_tokens`, `seed`, ...): per model, per sampling, per prompt (texts, cut off by
-    `max_tokens`). One engine actor per model; they start and answer concurrently and are shut down
-    before this returns, also on failure."""
+    `max_tokens`), each model's decoded by its own tokenizer. One engine actor per model; they start and
+    answer concurrently and are shut down before this returns, also on failure. `own_prompt_ids`: per
+    model, the prompts as its own tokenizer encodes them (models of different runs), else `prompt_ids`."""
     import ray
 
     from stages.common.deepspeed import use_gpu
     from stages.common.engines import EngineSpec, RolloutEngine
     from stages.common.models import load_tokenizer
 
-    prompt_ids = [list(p) for p in prompt_ids]
+    per_model = [[list(p) for p in ids] for ids in (own_prompt_ids or [prompt_ids] * len(model_dirs))]
     longest = max(s["max_tokens"] for s in samplings)
-    spec = EngineSpec(max_model_len=max(len(p) for p in prompt_ids) + longest, seed=seed, gpu=use_gpu(),
-                      storage=storage)
+    spec = EngineSpec(max_model_len=max(len(p) for ids in per_model for p in ids) + longest, seed=seed,
+                      gpu=use_gpu(), storage=storage)
     actor = ray.remote(RolloutEngine).options(num_cpus=spec.num_cpus, num_gpus=1 if spec.gpu else 0,
                                               runtime_env=spec.runtime_env())
     engines = [actor.remote(str(d), spec, 0) for d in model_dirs]
     try:
-        outs = [ray.get([e.generate.remote(prompt_ids, s) for s in samplings]) for e in engines]
+        outs = [ray.get([e.generate.remote(ids, s) for s in samplings]) for e, ids in zip(engines, per_model)]
     finally:
         for e in engines:
             ray.kill(e)
-    tok = load_tokenizer(model_dirs[0])
 
-    def decode(groups):
+    def decode(tok, groups):
         return [(tok.batch_decode([g["ids"] for g in group], skip_special_tokens=True),
                  [not g["finished"] for g in group]) for group in groups]
 
-    return [[decode(groups) for groups in per_model] for per_model in outs]
+    toks = {str(d): load_tokenizer(d) for d in model_dirs}
+    return [[decode(toks[str(d)], groups) for groups in per_sampling] for d, per_sampling in zip(model_dirs, outs)]
 
 
 def per_prompt_accuracy(answers: list[tuple[list[str], list[bool]]], rows: list[dict], verifier: str) -> list[float]:
