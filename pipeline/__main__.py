@@ -158,10 +158,11 @@ def _compare(args, console) -> int:
         router = console_mod.current()
         console = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
     # Ray's and vLLM's output goes to A's run directory's logs/compare.log, as a run's stages' does
-    with console_mod.run_logs(find_policy(args.a, uri).run_dir), console_mod.stage_log("compare") as log_path:
+    a = find_policy(args.a, uri)
+    with console_mod.run_logs(a.run_dir), console_mod.stage_log("compare") as log_path:
         if log_path:
             console.print(f"compare: library output in {log_path}")
-        result = compare_runs(args.a, args.b, samples=args.samples, prompts=args.prompts, max_tokens=args.max_tokens,
+        result = compare_runs(a, args.b, samples=args.samples, prompts=args.prompts, max_tokens=args.max_tokens,
                               temperature=args.temperature, seed=args.seed, reward_model=args.reward_model,
                               tracking_uri=uri, log_to=cfg.tracking_uri if cfg else None,
                               experiment=cfg.mlflow.experiment if cfg else "posttrain",

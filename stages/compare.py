@@ -245,7 +245,7 @@ def reward_scorer(reward_dir: Path):
 # --------------------------------------------------------------------------- the command
 
 
-def compare_runs(a_given: str, b_given: str, *, samples: int = 8, prompts: int | None = None,
+def compare_runs(a_given: str | Policy, b_given: str | Policy, *, samples: int = 8, prompts: int | None = None,
                  max_tokens: int | None = None, temperature: float = 1.0, seed: int = 12345,
                  reward_model: str | None = None, tracking_uri: str | None = None, log_to: str | None = None,
                  experiment: str = "posttrain", ray_cfg=None, log=print) -> dict[str, Any]:
@@ -257,13 +257,15 @@ def compare_runs(a_given: str, b_given: str, *, samples: int = 8, prompts: int |
     from stages.common.evaluation import engine_answers, paired
     from stages.common.tasks import gold_function
 
-    a, b = find_policy(a_given, tracking_uri), find_policy(b_given, tracking_uri)
+    # A or B as the user gave them, or as `find_policy` found them already (the command line: A's run directory
+    # holds the comparison's log), so an MLflow run id is not looked up twice
+    a, b = (p if isinstance(p, Policy) else find_policy(p, tracking_uri) for p in (a_given, b_given))
     for p in (a, b):
         if p.stage == "ppo" and p.config.get("stages.ppo", {}).get("environment"):
             raise UserError(f"{p.given}: its policy was trained with an environment (multi-turn episodes); compare "
                             "answers single-turn prompts only")
     if (a.stage, a.key, a.run_dir) == (b.stage, b.key, b.run_dir):
-        raise UserError(f"{a_given} and {b_given} are the same policy ({a.stage} {a.key}): nothing to compare")
+        raise UserError(f"{a.given} and {b.given} are the same policy ({a.stage} {a.key}): nothing to compare")
     verifier, gold_spec = shared_task(a, b)
     rows, rows_b = (side[:prompts] for side in shared_prompts(a, b))
     reward_dir = shared_reward_model(a, b, reward_model)
