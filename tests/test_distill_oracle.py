@@ -1,0 +1,66 @@
+"""On-policy distillation's per-token math (`stages/ppo/rl.py`) against TRL's `GKDTrainer.generalized_jsd_loss`
+(trl 1.16.0, `trl.experimental.gkd`; beta 1 is the reverse KL, KL(student || teacher)), on the same logits:
+the values per token and, through TRL's masked mean, the loss and its gradient to 1e-6. And the sampled-token
+estimate the ppo stage pays as a per-token reward: its mean over the student's own samples is -reverse KL."""
+
+from __future__ import annotations
+
+import os
+
+_ENV = dict(os.environ)  # before any library import (tests/test_dpo_oracle.py says why)
+
+import torch  # noqa: E402
+from trl.experimental.gkd import GKDTrainer  # noqa: E402
+
+os.environ.clear()
+os.environ.update(_ENV)
+
+from stages.ppo import rl  # noqa: E402
+
+B, T, V = 3, 5, 11
+
+
+def logits(seed: int, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(B, T, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_reverse_kl_equals_trls_generalized_jsd_at_beta_1():
+    student, teacher = logits(0).requires_grad_(), logits(1)
+    labels = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(2))
+    labels[0, 3:] = -100  # padding: masked out of TRL's mean, and of ours
+    labels[2, 1:] = -100
+    mask = labels != -100
+
+    per_token_trl = GKDTrainer.generalized_jsd_loss(student, teacher, beta=1.0, reduction="none").sum(-1)
+    ours = rl.reverse_kl(student, teacher)
+    torch.testing.assert_close(ours, per_token_trl, atol=1e-6, rtol=1e-6)
+    assert ours.min() > 0.05  # distinct distributions: a check that could fail
+
+    theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=1.0)  # batchmean over tokens
+    mine = rl.masked_mean(rl.reverse_kl(student, teacher), mask)
+    torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
+    (g_theirs,) = torch.autograd.grad(theirs, student)
+    (g_mine,) = torch.autograd.grad(mine, student)
+    torch.testing.assert_close(g_mine, g_theirs, atol=1e-6, rtol=1e-6)
+    assert g_mine[0, 3:].abs().max() == 0 and g_mine[0, 0].abs().max() > 1e-4  # padding gets no gradient
+
+    beta0 = GKDTrainer.generalized_jsd_loss(student, teacher, beta=0.0, reduction="none").sum(-1)
+    assert not torch.allclose(beta0, per_token_trl, atol=1e-3)  # beta 0 (forward KL) differs: the direction matters
+
+
+def test_the_sampled_estimate_averages_to_minus_the_reverse_kl():
+    """Tokens drawn from the student: the mean of log p_t - log p_s over them approaches -KL(student || teacher)."""
+    student, teacher = logits(3, 1.0), logits(4, 1.0)
+    n = 20000
+    probs = torch.softmax(student, -1).view(-1, V)
+    draws = torch.multinomial(probs, n, replacement=True, generator=torch.Generator().manual_seed(5))  # (B*T, n)
+    log_s = torch.log_softmax(student, -1).view(-1, V).gather(1, draws)
+    log_t = torch.log_softmax(teacher, -1).view(-1, V).gather(1, draws)
+    estimate = rl.distill_advantages(log_s, log_t, torch.ones_like(log_s)).mean(1).view(B, T)
+    torch.testing.assert_close(estimate, -rl.reverse_kl(student, teacher), atol=0.05, rtol=0.0)
+
+
+def test_distill_advantages_are_zero_on_padding_and_scaled():
+    s, t = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-0.5, -2.5, 9.0]])
+    got = rl.distill_advantages(s, t, torch.tensor([[1, 1, 0]]), weight=2.0)
+    torch.testing.assert_close(got, torch.tensor([[1.0, -1.0, 0.0]]))
