@@ -9,6 +9,7 @@ import os
 
 _ENV = dict(os.environ)  # before any library import (tests/test_dpo_oracle.py says why)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from trl.experimental.gkd import GKDTrainer  # noqa: E402
 
@@ -64,3 +65,56 @@ def test_distill_advantages_are_zero_on_padding_and_scaled():
     s, t = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-0.5, -2.5, 9.0]])
     got = rl.distill_advantages(s, t, torch.tensor([[1, 1, 0]]), weight=2.0)
     torch.testing.assert_close(got, torch.tensor([[1.0, -1.0, 0.0]]))
+
+
+# --------------------------------------------------------------------------- the ppo stage's settings
+
+
+def test_a_teacher_is_a_model_directory_and_rewards_the_policy_alone(tmp_path):
+    from conftest import smoke_config
+    from pipeline.errors import ConfigError
+
+    teacher = tmp_path / "teacher"
+    with pytest.raises(ConfigError, match="stages.ppo.distill.teacher: .*not a model directory"):
+        smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}")
+    teacher.mkdir()
+    (teacher / "config.json").write_text("{}")
+    cfg = smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}", "stages.ppo.algorithm=grpo",
+                       "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0")
+    assert cfg.stages.ppo.distill.teacher == teacher and cfg.stages.ppo.distill.weight == 1.0
+    without = cfg.stages.ppo.model_copy(update={"distill": None})
+    assert cfg.stages.ppo.cpus_needed() == without.cpus_needed() + 1  # the teacher's rank is reserved too
+    import stages.ppo as ppo
+
+    assert teacher / "config.json" in ppo.raw_inputs(cfg)  # the teacher's files key the stage
+    with pytest.raises(ConfigError, match="distill: a teacher scores single-turn samples"):
+        smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}", "stages.ppo.environment.name=calculator")
+
+
+def test_the_teachers_reward_joins_each_tokens_advantage():
+    from stages.ppo.config import PPOConfig
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    distill = rl.distill_advantages(torch.zeros(2, 3), torch.tensor([[-1.0, 0.5, 7.0], [0.0, -2.0, 1.0]]), mask)
+    grpo = PPOConfig(algorithm="grpo", sampling={"n": 2})
+    adv, _, _ = rl.advantages(grpo, torch.tensor([1.0, 0.0]), torch.zeros(2, 3), mask, 0.0, distill=distill)
+    plain, _, _ = rl.advantages(grpo, torch.tensor([1.0, 0.0]), torch.zeros(2, 3), mask, 0.0)
+    torch.testing.assert_close(adv - plain, torch.tensor([[-1.0, 0.5, 0.0], [0.0, -2.0, 1.0]]))
+    rpp = PPOConfig(algorithm="reinforce_pp", sampling={"n": 2})
+    with_teacher, _, _ = rl.advantages(rpp, torch.zeros(2), torch.zeros(2, 3), mask, 0.0, distill=distill)
+    assert with_teacher.abs().sum() > 0  # zero scores, yet the teacher's per-token rewards give a signal
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
+    from helpers.tiny_llama import tiny_model_dir
+    from pipeline.errors import UserError
+    from stages.ppo import _check_teacher
+
+    tiny_model_dir(tmp_path / "student")
+    tiny_model_dir(tmp_path / "teacher")
+    _check_teacher(tmp_path / "teacher", tmp_path / "student")  # the same vocabulary: fine
+    other = tiny_model_dir(tmp_path / "other")
+    other.add_tokens(["<think>"])
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(UserError, match=r"distill.teacher: .*other has another tokenizer than the student"):
+        _check_teacher(tmp_path / "other", tmp_path / "student")

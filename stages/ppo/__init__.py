@@ -114,6 +114,26 @@ def _read_prompts(path: Path) -> list[dict]:
     return read_rows(path)
 
 
+def _check_teacher(teacher: Path, student: Path) -> None:
+    """A teacher scores the student's token ids: it must read them as the student does (the same vocabulary)."""
+    from stages.common.models import load_tokenizer
+
+    theirs, ours = load_tokenizer(teacher).get_vocab(), load_tokenizer(student).get_vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+        raise UserError(f"stages.ppo.distill.teacher: {teacher} has another tokenizer than the student ({student}): "
+                        f"{len(theirs)} vs {len(ours)} tokens, e.g. {differ}; a teacher must share the student's "
+                        "tokenizer (distil from a model trained from the same base)")
+
+
+def raw_inputs(pcfg) -> list[Path]:
+    """The teacher's files (stages.ppo.distill.teacher): a changed teacher reruns ppo."""
+    section = pcfg.stages.ppo
+    if section is None or section.distill is None:
+        return []
+    return sorted(p for p in section.distill.teacher.rglob("*") if p.is_file())
+
+
 def _check_cluster(cfg: PPOConfig) -> None:
     """Fail before placing anything when the cluster cannot hold every rank and engine at once."""
     import ray
@@ -166,6 +186,8 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
     sft = ctx.inputs.get("sft_model") or ctx.inputs["base_model"]
     rm_dir, data = ctx.inputs.get("reward_model") or sft, ctx.inputs["prompt_data"]
     train_rows, eval_rows = _read_prompts(data / "train"), _read_prompts(data / "eval")[: cfg.eval_prompts]
+    if cfg.distill:
+        _check_teacher(cfg.distill.teacher, sft)
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
@@ -198,7 +220,8 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
         "reference: a copy in each policy rank" if in_policy else f"reference x{cfg.reference.num_ranks}"
     ctx.progress(f"starting {cfg.rollout.num_engines} vLLM engines and the roles (policy x{cfg.policy.num_ranks}"
                  f"{describe(cfg.policy.lora)}{critic_note}, {ref_note}"
-                 f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''})")
+                 f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''}"
+                 f"{f', teacher x{cfg.distill.role.num_ranks}' if cfg.distill else ''})")
     heads = saved_heads(rm_dir) if cfg.rewards.model_weight else 1  # the driver holds its inputs
     if heads > 1 or cfg.rewards.ensemble != "mean" and cfg.rewards.model_weight:
         ctx.progress(f"reward model: {heads} score head(s), combined by {cfg.rewards.ensemble}"
@@ -215,6 +238,7 @@ def _start(cfg: PPOConfig, ctx: StageContext, clock) -> _Session:
         roles += [] if in_policy else [("reference", cfg.reference, "causal", sft, False)]
         roles += [("critic", cfg.critic, "value", rm_dir, True)] if ppo else []
         roles += [("reward", cfg.reward, "reward", rm_dir, False)] if cfg.rewards.model_weight else []
+        roles += [("teacher", cfg.distill.role, "causal", cfg.distill.teacher, False)] if cfg.distill else []
         # Everything starts at once (roles and engines load their models concurrently): nothing blocks
         # until every placement group is requested and every actor created.
         requested = time.time()
@@ -314,7 +338,7 @@ class _Rollouts:
     generated: list[list[dict]] | None = None  # per prompt, its samples (once collected)
     wait_s: float = 0.0  # how long the loop waited for them
     scored: tuple | None = None  # scoring.training_rewards' columns, when dynamic sampling scored them already
-    dynamic: dict = field(default_factory=dict)  # dynamic sampling's metrics
+    dynamic: dict = field(default_factory=dict)  # dynamic sampling's (and distillation's) metrics
 
 
 def _sampling(cfg: PPOConfig, seed: int, it: int, refill: int = 0) -> dict:
@@ -659,7 +683,7 @@ class _Scored:
     wait_s: float  # the loop waited this long for the rollouts
     gen_span: float  # launch -> scored
     score_s: float
-    dynamic: dict  # dynamic sampling's metrics (empty without it)
+    dynamic: dict  # dynamic sampling's and distillation's metrics (empty without them)
 
 
 def _begin(s: _Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
@@ -717,6 +741,8 @@ def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) ->
     own = not cfg.rollout.engine_logprobs  # the old policy's log-probs from the policy ranks, not the engines
     old_refs = policy.run_each("logprobs", shard_batch(batch, len(policy)), micro=micro) if own else []
     value_refs = critic.run_each("values", shard_batch(batch, len(critic)), micro=micro) if ppo else []
+    teacher = s.role("teacher")
+    teacher_refs = teacher.run_each("logprobs", shard_batch(batch, len(teacher)), micro=micro) if teacher else []
     scores, rule_scores, rm_scores, rm_spread = req.scored or training_rewards(texts, req.rows, flat, reward, cfg,
                                                                                s.rule, s.moments, rm_refs)
     mask, score_t = batch["response_mask"], torch.tensor(scores)
@@ -729,7 +755,12 @@ def _score(s: _Session, cfg: PPOConfig, loop: _Loop, req: _Rollouts, it: int) ->
     mismatch = rl.logprob_mismatch(old_lp, rollout_lp, mask) if own else {}
     if own and (cfg.tis.enabled or cfg.rollout.async_):
         batch["tis_weights"] = rl.tis_weights(old_lp, rollout_lp, cfg.tis.cap)
-    adv, returns, loop.hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, loop.kl_ctl.value, values)
+    distill = None
+    if teacher_refs:  # each sampled token's teacher log-prob against the student's (the sampler's)
+        teacher_lp = torch.cat(ray.get(teacher_refs))
+        distill = rl.distill_advantages(old_lp, teacher_lp, mask, cfg.distill.weight)
+        req.dynamic["distill_reverse_kl"] = rl.masked_mean(old_lp - teacher_lp, mask).item()  # sampled estimate
+    adv, returns, loop.hp["kl_loss_coef"] = rl.advantages(cfg, score_t, kl, mask, loop.kl_ctl.value, values, distill)
     loop.hp["tokens_per_row"] = mask.sum().item() / mask.shape[0]  # the dapo / cispo normalizer (rl.aggregate)
     if ppo:
         batch.update(old_values=values, returns=returns)
@@ -786,7 +817,7 @@ def _log(s: _Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, s
         **({"rm_spread_mean": sum(spread) / len(spread)} if spread else {}),  # heads' disagreement
         **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(sc.texts, sc.rows)) / n} if s.gold else {}),
         **s.rule.counts(),  # rule_timeouts, rule_errors: calls of the rule reward that scored timeout_score
-        **sc.dynamic,  # dynamic sampling: the share of prompts kept before refills, the refill rounds
+        **sc.dynamic,  # dynamic sampling (kept share, refill rounds); distillation (the sampled reverse KL)
     }
     ctx.log_metrics(metrics, step=it + 1)
     loop.trend["reward"].append(metrics["reward_mean"])

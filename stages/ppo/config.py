@@ -7,6 +7,7 @@ importing anything heavy; every field's description is in the configuration refe
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
@@ -128,6 +129,29 @@ class TISConfig(Section):
                           "Off by default: with fp32 weights on CPU the engines match the trainer (the "
                           "logprob_mismatch metrics stay ~1e-6), so the weights are all ~1.")
     cap: float = Field(2.0, gt=0, description="Truncation of the importance weight (bounds its variance).")
+
+
+class DistillConfig(Section):
+    """On-policy distillation: a teacher scores every token the student (the policy) samples."""
+
+    teacher: Path = Field(description="The teacher: a local HF checkpoint directory with the student's tokenizer "
+                          "(another run's trained model works: <run_dir>/artifacts/ppo/<key>/model). Its files are "
+                          "part of the stage's cache key.")
+    weight: float = Field(1.0, gt=0, description="Each sampled token's reward is weight x (log p_teacher - log "
+                          "p_student): a one-sample estimate of minus the reverse KL, KL(student || teacher), "
+                          "added to the advantage of that token (group algorithms) or to its reward (ppo, "
+                          "reinforce_pp). With rewards.rule_weight > 0 the verifier's advantage is mixed in.")
+    role: FrozenRole = Field(default_factory=FrozenRole, description="The teacher's ranks (frozen, like the "
+                             "reference): they compute the log-probs of the student's samples.")
+
+    @field_validator("teacher")
+    @classmethod
+    def _a_model(cls, v: Path) -> Path:
+        v = v.expanduser().absolute()
+        if not (v / "config.json").is_file():
+            raise ValueError(f"{v}: not a model directory (no config.json); give a local HF checkpoint, e.g. "
+                             "another run's <run_dir>/artifacts/ppo/<key>/model")
+        return v
 
 
 class DynamicSamplingConfig(Section):
@@ -283,6 +307,8 @@ class PPOConfig(Section):
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig,
                                                     description="DAPO's dynamic sampling (group algorithms).")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO's soft overlong penalty.")
+    distill: DistillConfig | None = Field(None, description="On-policy distillation from a teacher model "
+                                          "(docs/objectives.md); empty: off.")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (empty: no value clipping).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 per batch (PPO).")
@@ -345,10 +371,13 @@ class PPOConfig(Section):
             raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must divide prompts_per_iteration x "
                              f"sampling.n ({self.prompts_per_iteration} x {n} = {rollouts}); e.g. mini_batch_size: "
                              f"{math.gcd(rollouts, self.mini_batch_size)}")
-        if self.rewards.model_weight == 0 and self.rewards.rule_weight == 0 and not (
+        if self.rewards.model_weight == 0 and self.rewards.rule_weight == 0 and not self.distill and not (
                 self.environment and self.environment.reward_weight):
-            raise ValueError("rewards.model_weight and rewards.rule_weight are both 0 (and no environment reward): "
-                             "nothing would reward the policy; set one")
+            raise ValueError("rewards.model_weight and rewards.rule_weight are both 0 (and no environment reward or "
+                             "distill teacher): nothing would reward the policy; set one")
+        if self.distill and self.environment:
+            raise ValueError("distill: a teacher scores single-turn samples; with an environment the tokens it adds "
+                             "are not the student's. Use one or the other")
         if self.environment and self.environment.max_tokens < self.sampling.max_new_tokens:
             raise ValueError(f"environment.max_tokens ({self.environment.max_tokens}) is the whole multi-turn "
                              f"response and must be >= sampling.max_new_tokens ({self.sampling.max_new_tokens}), "
@@ -377,4 +406,5 @@ class PPOConfig(Section):
         roles = [self.policy] + ([] if self.policy.lora or self.reference.colocate else [self.reference])
         roles += [self.critic] if self.algorithm == "ppo" else []
         roles += [self.reward] if self.rewards.model_weight else []
+        roles += [self.distill.role] if self.distill else []
         return sum(r.num_ranks * r.cpus_per_rank for r in roles) + self.rollout.num_engines * self.rollout.cpus_per_engine

@@ -487,20 +487,23 @@ def pad_rows(rows: list[list[float]], width: int):
     return out
 
 
-def advantages(cfg: PPOConfig, scores, kl, mask, kl_coef: float, values=None):
+def advantages(cfg: PPOConfig, scores, kl, mask, kl_coef: float, values=None, distill=None):
     """(advantages (B, T), returns (B, T) or None, coefficient of the KL term in the policy loss).
 
     PPO and REINFORCE++ pay the KL to the reference per token inside the reward; the group
     estimators (GRPO, RLOO, Dr. GRPO) score whole responses against their prompt's other
-    samples and pay the KL as a loss term instead, as their papers do.
+    samples and pay the KL as a loss term instead, as their papers do. `distill` (B, T), the
+    teacher's per-token rewards (`distill_advantages`), joins each token's reward (PPO, REINFORCE++)
+    or, undiscounted, its advantage (the group estimators: on-policy distillation's form).
     """
+    extra = distill if distill is not None else torch.zeros_like(mask, dtype=torch.float32)
     if cfg.algorithm == "ppo":
-        adv, returns = gae(token_rewards(scores, kl, mask, kl_coef), values, mask, cfg.gamma, cfg.lam)
+        adv, returns = gae(token_rewards(scores, kl, mask, kl_coef) + extra, values, mask, cfg.gamma, cfg.lam)
         return (masked_whiten(adv, mask) if cfg.whiten_advantages else adv), returns, 0.0
     if cfg.algorithm == "reinforce_pp":
-        return reinforce_pp_advantages(token_rewards(scores, kl, mask, kl_coef), mask, cfg.gamma), None, 0.0
+        return reinforce_pp_advantages(token_rewards(scores, kl, mask, kl_coef) + extra, mask, cfg.gamma), None, 0.0
     if cfg.algorithm == "grpo":
         per_response = grpo_advantages(scores, cfg.sampling.n, std_floor=cfg.group_std_floor)
     else:
         per_response = {"rloo": rloo_advantages, "dr_grpo": dr_grpo_advantages}[cfg.algorithm](scores, cfg.sampling.n)
-    return per_response[:, None] * mask, None, kl_coef
+    return per_response[:, None] * mask + extra * mask, None, kl_coef
