@@ -184,6 +184,27 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]
 
 
+@pytest.mark.slow
+def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, tracking_uri):
+    """GRPO whose only reward is a teacher's, per token (no verifier, no reward model): the student's sampled
+    reverse KL to the teacher falls. The teacher is the pipeline's base model (the SFT policy's start, which
+    SFT moved far from), so it shares the student's tokenizer; a teacher role of its own computes its log-probs."""
+    import json
+
+    [made] = (run_dir / "artifacts" / "model").glob("*/manifest.json")
+    teacher = storage.output_paths(json.loads(made.read_text()), made.parent)["base_model"]
+    manifest, run_id, policy = run_ppo(
+        run_dir, tracking_uri, "stages.ppo.algorithm=grpo", f"stages.ppo.distill.teacher={teacher}",
+        "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0", "stages.ppo.kl.coef=0.0",
+        "stages.ppo.policy.lr=0.001", "stages.ppo.iterations=12", "stages.ppo.checkpoint_every=12",
+        "stages.ppo.eval_prompts=0", "stages.ppo.reference.colocate=true")
+    kl = history(tracking_uri, run_id, "distill_reverse_kl")
+    assert sorted(kl) == list(range(1, 13))
+    first, last = sum(kl[i] for i in (1, 2, 3)) / 3, sum(kl[i] for i in (10, 11, 12)) / 3
+    assert first > 0.5 and last < 0.7 * first, kl  # far from the teacher at first, then much nearer
+    assert (policy / "config.json").is_file()
+
+
 # --------------------------------------------------------------------------- a role's ranks on Ray
 
 
