@@ -187,12 +187,25 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
 @pytest.mark.slow
 def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, tracking_uri):
     """GRPO whose only reward is a teacher's, per token (no verifier, no reward model): the student's sampled
-    reverse KL to the teacher falls. The teacher is the pipeline's base model (the SFT policy's start, which
-    SFT moved far from), so it shares the student's tokenizer; a teacher role of its own computes its log-probs."""
+    reverse KL to the teacher falls. The teacher: the pipeline's base model with its output layer perturbed,
+    so it shares the student's tokenizer but not its next-token distributions (smoke's 12 SFT steps leave the
+    student next to the base model itself: a sampled reverse KL of ~0.03, nothing to learn; the first run of
+    this test, 2026-11-29). A teacher role of its own computes its log-probs."""
     import json
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
 
     [made] = (run_dir / "artifacts" / "model").glob("*/manifest.json")
-    teacher = storage.output_paths(json.loads(made.read_text()), made.parent)["base_model"]
+    base = storage.output_paths(json.loads(made.read_text()), made.parent)["base_model"]
+    teacher = run_dir.parent / "teacher"
+    shutil.copytree(base, teacher, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 3 * head.std())
+    model.save_pretrained(teacher)
     manifest, run_id, policy = run_ppo(
         run_dir, tracking_uri, "stages.ppo.algorithm=grpo", f"stages.ppo.distill.teacher={teacher}",
         "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0", "stages.ppo.kl.coef=0.0",
