@@ -7,6 +7,9 @@ and reward model shared, one run directory per seed), then the ppo stage once pe
   dapo   loss_type dapo, clip_eps_high 0.28, dynamic sampling (2 refills at most), the overlong penalty
   gspo   importance_sampling sequence, loss_type grpo, clip 3e-4 / 4e-4
   cispo  loss_type cispo (the weight capped at 5.0)
+Every run also plots the held-out curve every 5 iterations on 256 prompts, as bench/distill.py's runs do; both
+benches keep their runs in `runs/bench-rl/seed<N>` by default, so one's model, data, SFT and reward model
+(and the plain grpo run, identical in both) are the other's cache hits.
 Per run, from its manifest: held-out sampled accuracy before and after with the paired sign test, the gold
 win-rate against the SFT policy (with a gold preference), the last iteration's KL to the reference and
 entropy, and the stage's minutes. Rows carry `seed`, `method`, `eval_prompts`, `sampled_before`,
@@ -26,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import ROOT, manifest_metrics, run_pipeline  # noqa: E402
 
+SAME = ["stages.ppo.eval_every=5", "stages.ppo.curve_prompts=256"]  # bench/distill.py's curve
 METHODS = {
     "grpo": [],
     "dapo": ["stages.ppo.loss_type=dapo", "stages.ppo.clip_eps_high=0.28", "stages.ppo.dynamic_sampling.enabled=true",
@@ -53,7 +57,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "full.yaml")
-    ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-objectives")
+    ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-rl")
     ap.add_argument("--json", type=Path)
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     args = ap.parse_args()
@@ -62,7 +66,7 @@ def main() -> None:
     for seed in args.seeds:
         for method in args.methods:
             summary = run_pipeline(args.config, args.runs / f"seed{seed}", seed, "grpo",
-                                   [*METHODS[method], *args.overrides])
+                                   [*SAME, *METHODS[method], *args.overrides])
             rows.append(row(seed, method, summary))
             r = rows[-1]
             print(f"[seed {seed} {method}] sampled {r['sampled_before']:.3f} -> {r['sampled_after']:.3f} "

@@ -184,13 +184,12 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]
 
 
-@pytest.mark.slow
-def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, tracking_uri):
-    """GRPO whose only reward is a teacher's, per token (no verifier, no reward model): the student's sampled
-    reverse KL to the teacher falls. The teacher: the pipeline's base model with its output layer perturbed,
-    so it shares the student's tokenizer but not its next-token distributions (smoke's 12 SFT steps leave the
-    student next to the base model itself: a sampled reverse KL of ~0.03, nothing to learn; the first run of
-    this test, 2026-11-29). A teacher role of its own computes its log-probs."""
+@pytest.fixture(scope="module")
+def teacher(run_dir):
+    """A teacher for the distillation tests: the pipeline's base model with its output layer perturbed (3x
+    its std), so it shares the student's tokenizer but not its next-token distributions (smoke's 12 SFT
+    steps leave the student next to the base model itself: a sampled reverse KL of ~0.03, nothing to learn;
+    the first run of the test, 2026-11-29)."""
     import json
     import shutil
 
@@ -199,23 +198,49 @@ def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, t
 
     [made] = (run_dir / "artifacts" / "model").glob("*/manifest.json")
     base = storage.output_paths(json.loads(made.read_text()), made.parent)["base_model"]
-    teacher = run_dir.parent / "teacher"
-    shutil.copytree(base, teacher, dirs_exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(teacher)
+    path = run_dir.parent / "teacher"
+    shutil.copytree(base, path, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(path)
     with torch.no_grad():
         head = model.get_output_embeddings().weight
         head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 3 * head.std())
-    model.save_pretrained(teacher)
-    manifest, run_id, policy = run_ppo(
-        run_dir, tracking_uri, "stages.ppo.algorithm=grpo", f"stages.ppo.distill.teacher={teacher}",
-        "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0", "stages.ppo.kl.coef=0.0",
-        "stages.ppo.policy.lr=0.001", "stages.ppo.iterations=12", "stages.ppo.checkpoint_every=12",
-        "stages.ppo.eval_prompts=0", "stages.ppo.reference.colocate=true")
+    model.save_pretrained(path)
+    return path
+
+
+# GRPO whose only reward is the teacher's, per token (no verifier, no reward model, no KL to the reference).
+DISTILL = ("stages.ppo.algorithm=grpo", "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0",
+           "stages.ppo.kl.coef=0.0", "stages.ppo.iterations=12", "stages.ppo.checkpoint_every=12",
+           "stages.ppo.eval_prompts=0")
+
+
+def _distill_kl_falls(tracking_uri, run_id, by: float) -> dict:
     kl = history(tracking_uri, run_id, "distill_reverse_kl")
     assert sorted(kl) == list(range(1, 13))
     first, last = sum(kl[i] for i in (1, 2, 3)) / 3, sum(kl[i] for i in (10, 11, 12)) / 3
-    assert first > 0.5 and last < 0.7 * first, kl  # far from the teacher at first, then much nearer
+    assert first > 0.5 and last < by * first, kl  # far from the teacher at first, then much nearer
+    return kl
+
+
+@pytest.mark.slow
+def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, tracking_uri, teacher):
+    """The student's sampled reverse KL to the teacher falls; a teacher role of its own computes its log-probs."""
+    manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *DISTILL, f"stages.ppo.distill.teacher={teacher}",
+                                       "stages.ppo.policy.lr=0.001", "stages.ppo.reference.colocate=true")
+    _distill_kl_falls(tracking_uri, run_id, by=0.7)
     assert (policy / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_distillation_trains_a_lora_student(ray_local, run_dir, tracking_uri, teacher):
+    """A LoRA student (its own reference: the adapter off) learns from the teacher too; the exported policy
+    is the SFT model with the trained adapter merged in, the adapter saved beside it."""
+    from stages.common import lora
+
+    manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *DISTILL, f"stages.ppo.distill.teacher={teacher}",
+                                       "stages.ppo.policy.lora.r=8", "stages.ppo.policy.lr=0.01")
+    _distill_kl_falls(tracking_uri, run_id, by=0.85)
+    assert lora.adapter_problem(policy.parent / lora.ADAPTER_DIR) is None
 
 
 # --------------------------------------------------------------------------- a role's ranks on Ray
