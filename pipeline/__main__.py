@@ -150,7 +150,7 @@ def _compare(args, console) -> int:
         cfg = load_config(args.config, [])
     uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking_uri if cfg else None)
     from pipeline import console as console_mod
-    from stages.compare import find_policy
+    from stages.common.runs import find_policy
 
     if args.json_out:
         from rich.console import Console

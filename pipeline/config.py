@@ -298,8 +298,9 @@ def leaf_problem(model: type[Section], dotted: str, prefix: str) -> str | None:
             where = ".".join([prefix, *parts[:i]])
             return (f"not a field of {where}; " + (f"did you mean '{close[0]}'? " if close else "")
                     + f"fields there: {', '.join(valid)}")
-        node = fields[part].annotation
-        is_section = isinstance(node, type) and issubclass(node, Section)
+        inner, placeholder = subsection(fields[part].annotation)  # a section, or an optional one (`X | None`)
+        is_section = inner is not None and not placeholder
+        node = inner if is_section else fields[part].annotation
         if i == len(parts) - 1 and is_section:
             return f"is a section, not a value; name one of its fields, e.g. {dotted}.{next(iter(node.model_fields))}"
         if i < len(parts) - 1 and not is_section:

@@ -63,7 +63,7 @@ TARGET_METRICS = {
     "dpo": ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "train_loss", "train_reward_accuracy",
             "eval_accuracy", "eval_sampled_accuracy"),
     "ppo": ("reward_mean", "rule_reward_mean", "kl", "response_length", "eval_accuracy", "eval_reward",
-            "eval_sampled_accuracy", "eval_sampled_reward"),
+            "eval_sampled_accuracy", "eval_sampled_reward", "distill_reverse_kl"),
 }
 TIME_ATTR = "step"  # optimizer step (sft, reward) or PPO iteration: what ASHA's rungs count
 SEARCH_ALGS = {"random": None, "optuna": "optuna", "hyperopt": "hyperopt"}  # name -> package it needs
@@ -414,6 +414,14 @@ def _write_results(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+
+
+def raw_inputs(pcfg) -> list[Path]:
+    """What the target reads besides its artifacts (a ppo teacher's files): the sweep reruns when they change,
+    as the target itself would."""
+    tune = pcfg.stages.tune
+    hook = getattr(importlib.import_module(f"stages.{tune.target}"), "raw_inputs", None) if tune else None
+    return hook(pcfg) if hook else []
 
 
 def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:

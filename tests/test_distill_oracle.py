@@ -87,8 +87,38 @@ def test_a_teacher_is_a_model_directory_and_rewards_the_policy_alone(tmp_path):
     import stages.ppo as ppo
 
     assert teacher / "config.json" in ppo.raw_inputs(cfg)  # the teacher's files key the stage
+    import stages.tune as tune
+
+    swept = smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}", "stages.ppo.algorithm=grpo",
+                         'stages.tune={"target": "ppo", "metric": "distill_reverse_kl", "mode": "min", '
+                         '"search_space": {"distill.weight": {"choice": [0.5, 1.0]}}}')
+    assert teacher / "config.json" in tune.raw_inputs(swept)  # and a sweep over ppo
+    assert tune.raw_inputs(cfg) == []
     with pytest.raises(ConfigError, match="distill: a teacher scores single-turn samples"):
         smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}", "stages.ppo.environment.name=calculator")
+
+
+def test_a_teacher_may_be_a_run_or_a_stage_artifact_and_resolves_to_its_checkpoint(tmp_path):
+    """`distill.teacher` takes what `pipeline compare` takes (files only): a run directory's newest policy,
+    DIR:STAGE, or a stage's artifact directory, each resolved to the checkpoint; a run without a finished
+    policy, or a policy without its files, is refused naming what is missing."""
+    from conftest import smoke_config
+    from helpers.runs import fake_run
+    from pipeline.errors import ConfigError
+
+    run = fake_run(tmp_path / "teacher_run", {"sft": "2026-11-28T10:00", "ppo": "2026-11-28T11:00"}, ["a"])
+    ppo, sft = run / "artifacts/ppo/ppokey/model", run / "artifacts/sft/sftkey/model"
+    with pytest.raises(ConfigError, match=r"its policy .*ppokey/model has no config.json"):
+        smoke_config(tmp_path, f"stages.ppo.distill.teacher={run}")  # the manifest, but not the model's files
+    for model in (ppo, sft):
+        (model / "config.json").write_text("{}")
+    resolve = lambda given: smoke_config(tmp_path, f"stages.ppo.distill.teacher={given}").stages.ppo.distill.teacher  # noqa: E731
+    assert resolve(run) == ppo  # the newest policy
+    assert resolve(f"{run}:sft") == sft
+    assert resolve(run / "artifacts/sft/sftkey") == sft
+    assert resolve(sft) == sft
+    with pytest.raises(ConfigError, match=r"nor a run's policy .*no finished dpo stage"):
+        smoke_config(tmp_path, f"stages.ppo.distill.teacher={run}:dpo")
 
 
 def test_the_teachers_reward_joins_each_tokens_advantage():

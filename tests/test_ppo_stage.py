@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from rich.console import Console
 
@@ -184,62 +186,100 @@ def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     assert m["eval_sampled_accuracy_improved"] + m["eval_sampled_accuracy_worsened"] <= m["eval_prompts"]
 
 
+def _sft_model(run_dir):
+    import json
+
+    [made] = (run_dir / "artifacts" / "sft").glob("*/manifest.json")
+    return storage.output_paths(json.loads(made.read_text()), made.parent)["sft_model"]
+
+
 @pytest.fixture(scope="module")
 def teacher(run_dir):
-    """A teacher for the distillation tests: the pipeline's base model with its output layer perturbed (3x
-    its std), so it shares the student's tokenizer but not its next-token distributions (smoke's 12 SFT
-    steps leave the student next to the base model itself: a sampled reverse KL of ~0.03, nothing to learn;
-    the first run of the test, 2026-11-29)."""
-    import json
+    """A teacher for the distillation tests: the session's SFT policy plus a random rank-8 update of every
+    linear layer but the output layer (a LoRA adapter's shape, merged in), so a LoRA student can reach it as
+    well as a fully trained one; same tokenizer. Smoke's tiny model has near-uniform next-token
+    distributions (entropy 5.65 of at most 5.69 nats); this teacher is ~0.05 nats from them, over the
+    vocabulary, at every position. (First tries, 2026-11-29: the base model with its tied output layer
+    perturbed gave a sampled estimate noisier than its change; a 10x sharper SFT policy is out of a LoRA
+    student's reach: the final RMSNorm bounds what its adapters can do to the logits' scale.)"""
     import shutil
 
     import torch
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    [made] = (run_dir / "artifacts" / "model").glob("*/manifest.json")
-    base = storage.output_paths(json.loads(made.read_text()), made.parent)["base_model"]
     path = run_dir.parent / "teacher"
-    shutil.copytree(base, path, dirs_exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    shutil.copytree(_sft_model(run_dir), path, dirs_exist_ok=True)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                           LoraConfig(r=8, lora_alpha=32, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        head = model.get_output_embeddings().weight
-        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)) * 3 * head.std())
-    model.save_pretrained(path)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.merge_and_unload().save_pretrained(path)
     return path
+
+
+def reverse_kl_to(teacher, *students, prompts: int = 32, tokens: int = 8) -> list[float]:
+    """Each student's exact KL(student || teacher) over the vocabulary (rl.reverse_kl), averaged over the
+    response positions of `prompts` held-out prompts answered by the first student (sampled, seeded): the
+    same contexts for every student, and no sampling noise in the measure itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stages.common.parquet import read_rows
+    from stages.ppo import rl
+
+    [eval_dir] = (Path(students[0]).parents[3] / "artifacts" / "data").glob("*/prompts/eval")
+    rows = read_rows(eval_dir)[:prompts]
+    load = lambda d: AutoModelForCausalLM.from_pretrained(d).eval()  # noqa: E731
+    first, judge = load(students[0]), load(teacher)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        seqs = [first.generate(torch.tensor([r["prompt_ids"]]), max_new_tokens=tokens, do_sample=True, top_k=0)
+                for r in rows]
+        out = []
+        for student in [first, *map(load, students[1:])]:
+            kls = [rl.reverse_kl(student(seq).logits, judge(seq).logits)[0, len(r["prompt_ids"]) - 1:-1].mean()
+                   for seq, r in zip(seqs, rows)]
+            out.append(float(torch.stack(kls).mean()))
+    return out
 
 
 # GRPO whose only reward is the teacher's, per token (no verifier, no reward model, no KL to the reference).
 DISTILL = ("stages.ppo.algorithm=grpo", "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0",
-           "stages.ppo.kl.coef=0.0", "stages.ppo.iterations=12", "stages.ppo.checkpoint_every=12",
+           "stages.ppo.kl.coef=0.0", "stages.ppo.iterations=30", "stages.ppo.checkpoint_every=30",
            "stages.ppo.eval_prompts=0")
 
 
-def _distill_kl_falls(tracking_uri, run_id, by: float) -> dict:
+def _distilled(run_dir, tracking_uri, teacher, policy, run_id) -> tuple[float, float]:
+    """The logged sampled estimate every iteration, and the exact reverse KL to the teacher of the SFT
+    policy (the start) and of the trained policy."""
     kl = history(tracking_uri, run_id, "distill_reverse_kl")
-    assert sorted(kl) == list(range(1, 13))
-    first, last = sum(kl[i] for i in (1, 2, 3)) / 3, sum(kl[i] for i in (10, 11, 12)) / 3
-    assert first > 0.5 and last < by * first, kl  # far from the teacher at first, then much nearer
-    return kl
+    assert sorted(kl) == list(range(1, 31)), kl
+    return tuple(reverse_kl_to(teacher, _sft_model(run_dir), policy))
 
 
 @pytest.mark.slow
 def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, tracking_uri, teacher):
-    """The student's sampled reverse KL to the teacher falls; a teacher role of its own computes its log-probs."""
+    """The student's exact reverse KL to the teacher falls; a teacher role of its own computes its log-probs."""
     manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *DISTILL, f"stages.ppo.distill.teacher={teacher}",
                                        "stages.ppo.policy.lr=0.001", "stages.ppo.reference.colocate=true")
-    _distill_kl_falls(tracking_uri, run_id, by=0.7)
-    assert (policy / "config.json").is_file()
+    before, after = _distilled(run_dir, tracking_uri, teacher, policy, run_id)
+    assert before > 0.02 and after < 0.6 * before, (before, after)  # 4x nearer in a simulation of this run
 
 
 @pytest.mark.slow
 def test_distillation_trains_a_lora_student(ray_local, run_dir, tracking_uri, teacher):
     """A LoRA student (its own reference: the adapter off) learns from the teacher too; the exported policy
-    is the SFT model with the trained adapter merged in, the adapter saved beside it."""
+    carries the trained adapter beside it."""
     from stages.common import lora
 
     manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *DISTILL, f"stages.ppo.distill.teacher={teacher}",
                                        "stages.ppo.policy.lora.r=8", "stages.ppo.policy.lr=0.01")
-    _distill_kl_falls(tracking_uri, run_id, by=0.85)
+    before, after = _distilled(run_dir, tracking_uri, teacher, policy, run_id)
+    assert before > 0.02 and after < 0.6 * before, (before, after)
     assert lora.adapter_problem(policy.parent / lora.ADAPTER_DIR) is None
 
 
