@@ -8,6 +8,7 @@ with bench/objectives.py, whose grpo run is this one's):
   2. distill: the ppo stage again from the same SFT policy, `algorithm: grpo` with only the teacher's per-token
      reward (`stages.ppo.distill.teacher`, no verifier, no reward model), `--iterations` iterations.
   3. grpo: the ppo stage from the same SFT policy, `algorithm: grpo` on the default's rewards, same iterations.
+  4. grpo+distill (only with `--methods`): grpo's rewards and the teacher's per-token term together.
 Per run, from the ppo stage's manifest: every held-out prompt's sampled accuracy before (the SFT policy) and
 after, with the paired sign test; the gold win-rate against the SFT policy's answers and its sign test; the
 stage's minutes. Rows carry `seed`, `method`, `eval_prompts`, `sampled_before`, `sampled_after`, `sampled_p`,
@@ -85,6 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "full.yaml")
+    ap.add_argument("--methods", nargs="+", default=["distill", "grpo"], choices=["distill", "grpo", "grpo+distill"],
+                    help="the runs after the teacher's (its row is printed every time; a cached run's minutes are empty)")
     ap.add_argument("--iterations", type=int, default=30, help="ppo iterations of the distill and grpo runs")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-rl")
     ap.add_argument("--json", type=Path)
@@ -102,8 +105,11 @@ def main() -> None:
             "distill": ["stages.ppo.algorithm=grpo", f"stages.ppo.distill.teacher={teacher}",
                         "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0", *same],
             "grpo": ["stages.ppo.algorithm=grpo", *same],
+            # the teacher added to GRPO's own rewards (verifier and reward model): distillation mixed in
+            "grpo+distill": ["stages.ppo.algorithm=grpo", f"stages.ppo.distill.teacher={teacher}", *same],
         }
-        for method, overrides in methods.items():
+        for method in args.methods:
+            overrides = methods[method]
             rows.append(row(seed, method, run_pipeline(args.config, run_dir, seed, None, overrides)))
             r = rows[-1]
             print(f"[seed {seed} {method}] sampled {r['sampled_before']:.3f} -> {r['sampled_after']:.3f} "

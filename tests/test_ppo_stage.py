@@ -198,8 +198,8 @@ def teacher(run_dir):
     """A teacher for the distillation tests: the session's SFT policy plus a random rank-8 update of every
     linear layer but the output layer (a LoRA adapter's shape, merged in), so a LoRA student can reach it as
     well as a fully trained one; same tokenizer. Smoke's tiny model has near-uniform next-token
-    distributions (entropy 5.65 of at most 5.69 nats); this teacher is ~0.05 nats from them, over the
-    vocabulary, at every position. (First tries, 2026-11-29: the base model with its tied output layer
+    distributions (entropy 5.65 of at most 5.69 nats); this teacher is ~0.22 nats a token from them on
+    held-out answers, over the vocabulary. (First tries, 2026-11-29: the base model with its tied output layer
     perturbed gave a sampled estimate noisier than its change; a 10x sharper SFT policy is out of a LoRA
     student's reach: the final RMSNorm bounds what its adapters can do to the logits' scale.)"""
     import shutil
@@ -262,18 +262,13 @@ def _distilled(run_dir, tracking_uri, teacher, policy, run_id) -> tuple[float, f
 
 
 @pytest.mark.slow
-def test_distillation_moves_the_student_toward_its_teacher(ray_local, run_dir, tracking_uri, teacher):
-    """The student's exact reverse KL to the teacher falls; a teacher role of its own computes its log-probs."""
-    manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *DISTILL, f"stages.ppo.distill.teacher={teacher}",
-                                       "stages.ppo.policy.lr=0.001", "stages.ppo.reference.colocate=true")
-    before, after = _distilled(run_dir, tracking_uri, teacher, policy, run_id)
-    assert before > 0.02 and after < 0.6 * before, (before, after)  # 4x nearer in a simulation of this run
-
-
-@pytest.mark.slow
-def test_distillation_trains_a_lora_student(ray_local, run_dir, tracking_uri, teacher):
-    """A LoRA student (its own reference: the adapter off) learns from the teacher too; the exported policy
-    carries the trained adapter beside it."""
+def test_distillation_moves_a_lora_student_toward_its_teacher(ray_local, run_dir, tracking_uri, teacher):
+    """GRPO whose only reward is the teacher's, per token, through a teacher role of its own: a LoRA student
+    (its own reference: the adapter off) ends far nearer its teacher than it started, and the exported policy
+    carries the trained adapter beside it. Its first run (2026-11-29): exact reverse KL 0.224 -> 0.014; a
+    fully trained student with lr 1e-3, run then as a test of its own, 0.224 -> 0.021, while a PPO policy
+    trained without a teacher in the same directory ended farther from it (0.250): the teacher moves it.
+    One run: the full-weight student's path is the same but for the adapter (each e2e run costs ~50 s)."""
     from stages.common import lora
 
     manifest, run_id, policy = run_ppo(run_dir, tracking_uri, *DISTILL, f"stages.ppo.distill.teacher={teacher}",
