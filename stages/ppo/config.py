@@ -134,9 +134,11 @@ class TISConfig(Section):
 class DistillConfig(Section):
     """On-policy distillation: a teacher scores every token the student (the policy) samples."""
 
-    teacher: Path = Field(description="The teacher: a local HF checkpoint directory with the student's tokenizer "
-                          "(another run's trained model works: <run_dir>/artifacts/ppo/<key>/model). Its files are "
-                          "part of the stage's cache key.")
+    teacher: Path = Field(description="The teacher, with the student's tokenizer: a local HF checkpoint directory, "
+                          "a policy stage's artifact directory (<run_dir>/artifacts/ppo/<key>), or another run's "
+                          "directory (its newest finished ppo, dpo or sft policy; DIR:STAGE picks the stage), resolved "
+                          "to the checkpoint when the config loads. The checkpoint's files are part of the stage's "
+                          "cache key.")
     weight: float = Field(1.0, gt=0, description="Each sampled token's reward is weight x (log p_teacher - log "
                           "p_student): a one-sample estimate of minus the reverse KL, KL(student || teacher), "
                           "added to the advantage of that token (group algorithms) or to its reward (ppo, "
@@ -144,14 +146,26 @@ class DistillConfig(Section):
     role: FrozenRole = Field(default_factory=FrozenRole, description="The teacher's ranks (frozen, like the "
                              "reference): they compute the log-probs of the student's samples.")
 
-    @field_validator("teacher")
+    @field_validator("teacher", mode="before")
     @classmethod
-    def _a_model(cls, v: Path) -> Path:
-        v = v.expanduser().absolute()
-        if not (v / "config.json").is_file():
-            raise ValueError(f"{v}: not a model directory (no config.json); give a local HF checkpoint, e.g. "
-                             "another run's <run_dir>/artifacts/ppo/<key>/model")
-        return v
+    def _a_model(cls, v) -> Path:
+        """A checkpoint as given, or the policy a run or stage artifact holds (stages/common/runs.py, as
+        `pipeline compare` finds A and B)."""
+        from pipeline.errors import UserError
+        from stages.common.runs import find_policy
+
+        given = str(v)
+        path = Path(given).expanduser().absolute()
+        if (path / "config.json").is_file():
+            return path
+        try:
+            model = find_policy(given).model_dir
+        except UserError as exc:
+            raise ValueError(f"{given}: not a model directory (no config.json) nor a run's policy ({exc}); give a "
+                             "local HF checkpoint, a policy stage's artifact directory or a run directory") from None
+        if not (model / "config.json").is_file():
+            raise ValueError(f"{given}: its policy {model} has no config.json (a half-written artifact?)")
+        return model
 
 
 class DynamicSamplingConfig(Section):
@@ -308,7 +322,7 @@ class PPOConfig(Section):
                                                     description="DAPO's dynamic sampling (group algorithms).")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO's soft overlong penalty.")
     distill: DistillConfig | None = Field(None, description="On-policy distillation from a teacher model "
-                                          "(docs/objectives.md); empty: off.")
+                                          "(docs/distillation.md); empty: off.")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range (empty: no value clipping).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     whiten_advantages: bool = Field(True, description="Normalise advantages to mean 0, std 1 per batch (PPO).")
