@@ -400,8 +400,8 @@ def wait_for_interrupt(log, url: str) -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     # Also when started in the background, where the shell has Python ignore SIGINT.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    log(f"serving {url}/v1 until Ctrl-C")
-    try:
+    try:  # the line is inside: a signal may land while it is still being logged (seen in CI)
+        log(f"serving {url}/v1 until Ctrl-C")
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
