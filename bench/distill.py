@@ -4,7 +4,9 @@ The default (`configs/full.yaml`: the embedded task with the gold preference), p
 per seed, `runs/bench-rl/seed<N>` (model, data, SFT and reward model shared by the three runs of a seed, and
 with bench/objectives.py, whose grpo run is this one's):
   1. teacher: the default's own RL stage (PPO on the reward model and the verifier); its policy is the teacher
-     (the issue's "RL-trained policy": same architecture and tokenizer).
+     (the issue's "RL-trained policy": same architecture and tokenizer). `--teacher-overrides` changes the
+     teacher's run only (e.g. `stages.sft.epochs=9`: a longer SFT before the same RL, a stronger teacher with
+     the same tokenizer); the students still start from the config's SFT policy.
   2. distill: the ppo stage again from the same SFT policy, `algorithm: grpo` with only the teacher's per-token
      reward (`stages.ppo.distill.teacher`, no verifier, no reward model), `--iterations` iterations.
   3. grpo: the ppo stage from the same SFT policy, `algorithm: grpo` on the default's rewards, same iterations.
@@ -89,6 +91,10 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["distill", "grpo"], choices=["distill", "grpo", "grpo+distill"],
                     help="the runs after the teacher's (its row is printed every time; a cached run's minutes are empty)")
     ap.add_argument("--iterations", type=int, default=30, help="ppo iterations of the distill and grpo runs")
+    ap.add_argument("--teacher-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides of the teacher's run only, e.g. stages.sft.epochs=9: a stronger teacher "
+                         "(its own sft, reward and ppo artifacts in the same run directory; the students keep "
+                         "the config's SFT policy)")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-rl")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="the accuracy-per-training-minute plot (PNG)")
@@ -97,8 +103,8 @@ def main() -> None:
     rows, t0 = [], time.time()
     for seed in args.seeds:
         run_dir = args.runs / f"seed{seed}"
-        teacher_run = run_pipeline(args.config, run_dir, seed, None, [])
-        rows.append(row(seed, "teacher", teacher_run))
+        teacher_run = run_pipeline(args.config, run_dir, seed, None, args.teacher_overrides)
+        rows.append(row(seed, "teacher", teacher_run) | {"teacher_overrides": args.teacher_overrides})
         teacher = Path(rows[-1]["artifact"]) / "model"
         same = [*SAME, f"stages.ppo.iterations={args.iterations}"]
         methods = {
@@ -110,7 +116,8 @@ def main() -> None:
         }
         for method in args.methods:
             overrides = methods[method]
-            rows.append(row(seed, method, run_pipeline(args.config, run_dir, seed, None, overrides)))
+            rows.append(row(seed, method, run_pipeline(args.config, run_dir, seed, None, overrides))
+                        | {"teacher_overrides": args.teacher_overrides})
             r = rows[-1]
             print(f"[seed {seed} {method}] sampled {r['sampled_before']:.3f} -> {r['sampled_after']:.3f} "
                   f"(p {r['sampled_p']:.2g}), gold win-rate {r['gold_winrate']}", file=sys.stderr, flush=True)
