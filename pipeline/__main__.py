@@ -27,13 +27,14 @@ is in `pipeline.reports`, the `ui` command's MLflow server in `pipeline.ui`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from pipeline.errors import StageError, UserError
+from pipeline.registry import COMMANDS
 from pipeline.reports import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOCKED, EXIT_USER, json_summary, print_outcomes,
                               print_plan)
 
@@ -98,113 +99,14 @@ def _parser() -> argparse.ArgumentParser:
     ui = common("ui", "open the MLflow UI on this run's tracking store (bound to 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000, help="port of the UI (default 5000)")
     ui.add_argument("--workers", type=int, default=1, help="server worker processes (default 1: one person browsing)")
-    sv = common("serve", "serve a registered model behind the OpenAI-compatible API until Ctrl-C "
-                "(engine and endpoint from stages.serve)", optional=True)
-    sv.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or a local model directory "
-                    "(default: models:/<stages.serve.registry.model_name>@<alias>)")
-    sv.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
-                    help="a LoRA adapter directory (PEFT, safetensors) trained on --model, served beside it as "
-                    "<model_id>:NAME (NAME defaults to the directory's name); repeatable")
-    bi = common("batch-infer", "generate completions for a prompts file with a registered model (settings from "
-                "stages.batch_infer); Parquet results and a summary, tracked in MLflow")
-    bi.add_argument("--model", help="models:/NAME@ALIAS or a local model directory (default: the serve stage's "
-                    "registered model, models:/<stages.serve.registry.model_name>@<alias>)")
-    bi.add_argument("--prompts", type=Path, help="a .jsonl or .parquet file of prompts (default: stages.batch_infer.prompts)")
-    bi.add_argument("--output", type=Path, help="a new directory for the results (default: <run_dir>/batch_infer/<time>)")
-    bi.add_argument("--reward-model", help="a reward model (registry URI or directory) to score completions with")
-    cp = sub.add_parser("compare", help="two trained policies on the same held-out prompts: per metric the "
-                        "difference, prompts won and lost, and a paired sign test; logged to MLflow",
-                        description="Both policies answer every held-out prompt of their shared data stage (greedy, "
-                        "and --samples samples from one seed). A and B: a run directory (its newest ppo, dpo or "
-                        "sft policy; DIR:STAGE picks one), a stage's artifact directory "
-                        "(<run_dir>/artifacts/<stage>/<key>), or an MLflow run id.")
-    cp.add_argument("a", metavar="A", help="the first policy (the baseline)")
-    cp.add_argument("b", metavar="B", help="the second policy (what the differences are of: B - A)")
-    cp.add_argument("--config", type=Path, help="a pipeline YAML whose mlflow and ray settings to use (default: "
-                    "MLFLOW_TRACKING_URI, else A's run directory's store; a local Ray)")
-    cp.add_argument("--samples", type=int, default=8, help="sampled answers per prompt besides the greedy one "
-                    "(default 8; 0: greedy only)")
-    cp.add_argument("--prompts", type=int, help="compare on the first N held-out prompts only (default: all)")
-    cp.add_argument("--max-tokens", type=int, help="tokens per answer at most, for both (default: the longer of their training settings)")
-    cp.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    cp.add_argument("--seed", type=int, default=12345, help="the sampling seed both policies share (default 12345)")
-    cp.add_argument("--reward-model", help="a reward model directory to score both with (default: the one both "
-                    "runs trained against, if they share one)")
-    cp.add_argument("--tracking-uri", help="the MLflow store of run ids and of the comparison's run")
-    cp.add_argument("--json", dest="json_out", action="store_true",
-                    help="print the result as JSON on stdout (progress on stderr)")
+    for command in COMMANDS:  # the commands stages provide (pipeline.registry)
+        module = importlib.import_module(command.module)
+        if command.config == "none":
+            cp = sub.add_parser(command.name, help=command.help, description=getattr(module, "DESCRIPTION", command.help))
+        else:
+            cp = common(command.name, command.help, optional=command.config == "optional")
+        module.add_arguments(cp)
     return p
-
-
-def _compare(args, console) -> int:
-    from stages.compare import compare_runs, print_comparison
-
-    for flag, value, low in (("--samples", args.samples, 0), ("--prompts", args.prompts, 1),
-                             ("--max-tokens", args.max_tokens, 1)):
-        if value is not None and value < low:
-            raise UserError(f"{flag} {value}: must be at least {low}")
-    cfg = None
-    if args.config is not None:
-        from pipeline.config import load_config
-
-        cfg = load_config(args.config, [])
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking_uri if cfg else None)
-    from pipeline import console as console_mod
-    from stages.common.runs import find_policy
-
-    if args.json_out:
-        from rich.console import Console
-
-        router = console_mod.current()
-        console = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
-    # Ray's and vLLM's output goes to A's run directory's logs/compare.log, as a run's stages' does
-    a = find_policy(args.a, uri)
-    with console_mod.run_logs(a.run_dir), console_mod.stage_log("compare") as log_path:
-        if log_path:
-            console.print(f"compare: library output in {log_path}")
-        result = compare_runs(a, args.b, samples=args.samples, prompts=args.prompts, max_tokens=args.max_tokens,
-                              temperature=args.temperature, seed=args.seed, reward_model=args.reward_model,
-                              tracking_uri=uri, log_to=cfg.tracking_uri if cfg else None,
-                              experiment=cfg.mlflow.experiment if cfg else "posttrain",
-                              ray_cfg=cfg.ray if cfg else None, log=lambda m: console.print(f"compare: {m}"))
-    if args.json_out:
-        router = console_mod.current()
-        print(json.dumps(result, indent=2), file=router.out if router else sys.stdout)
-    else:
-        print_comparison(result, console)
-        console.print(f"logged to MLflow run {result['run_id']}")
-    return 0
-
-
-def _default_model(cfg) -> str:
-    from stages.common.model_registry import model_uri
-
-    registry = cfg.stages.serve_settings().registry
-    return model_uri(registry.model_name, registry.alias)
-
-
-def _serve(cfg, args, console) -> int:
-    from pipeline.tracking import check_reachable
-    from stages.serve.app import serve_model
-
-    check_reachable(cfg.tracking_uri)
-    serve_model(cfg.stages.serve_settings(), args.model or _default_model(cfg), cfg.tracking_uri,
-                cfg.run_dir / "registry_cache",
-                cfg.ray, _logger("serve", console), args.adapter)
-    return 0
-
-
-def _batch_infer(cfg, args, console) -> int:
-    from stages.batch_infer import infer_registered
-
-    summary, output = infer_registered(cfg, args.model or _default_model(cfg), args.prompts, args.output,
-                                       args.reward_model, _logger("batch-infer", console))
-    console.print(f"[bold green]done[/]: {summary['rows']} rows ({summary['rows_failed']} failed) in {output}")
-    return 0
-
-
-def _logger(name: str, console):
-    return lambda m: console.print(f"  [dim]{time.strftime('%H:%M:%S')}[/] {name}: {m}")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -227,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     as_json = getattr(args, "json", False)
     router = None
-    if args.command in ("run", "compare"):  # library output goes to log files; the consoles write to the original streams
+    routed = args.command == "run" or any(c.routed for c in COMMANDS if c.name == args.command)
+    if routed:  # library output goes to log files; the consoles write to the original streams
         from pipeline.console import Router
 
         router = Router(verbose=getattr(args, "verbose", False))
@@ -328,8 +231,9 @@ def _command(args, console, state: dict) -> int:
         return jobs.logs(args.address, args.job_id, args.follow)
     if args.command == "stop":
         return jobs.stop(args.address, args.job_id, console, args.timeout)
-    if args.command == "compare":
-        return _compare(args, console)
+    command = next((c for c in COMMANDS if c.name == args.command), None)
+    if command is not None and command.config == "none":
+        return importlib.import_module(command.module).main(args, None, console)
     if args.command == "submit" and not any(o.startswith("ray.address=") for o in args.overrides):
         # The job's driver joins its cluster (RAY_ADDRESS is set for it); nor is this machine's CPU count
         # the limit to validate against.
@@ -357,10 +261,8 @@ def _command(args, console, state: dict) -> int:
         from pipeline.ui import run_ui
 
         return run_ui(cfg, args.port, args.workers, console)
-    if args.command == "serve":
-        return _serve(cfg, args, console)
-    if args.command == "batch-infer":
-        return _batch_infer(cfg, args, console)
+    if command is not None:
+        return importlib.import_module(command.module).main(args, cfg, console)
     from pipeline.plan import build_plan
     from pipeline.plan import selection as validate_selection
     from pipeline.runner import run_pipeline

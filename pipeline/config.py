@@ -11,31 +11,21 @@ processes see absolute paths.
 
 from __future__ import annotations
 
-import difflib
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from pipeline.errors import ConfigError
 # The section-generic helpers live in pipeline.schema; re-exported here for callers of the pipeline config.
 from pipeline.schema import (Section, apply_override, flatten, format_validation_error, get_path,  # noqa: F401
-                             to_plain, with_values)
+                             leaf_problem, subsection, to_plain, with_values)
+from pipeline.registry import SECTIONS, STAGES, SectionSpec, StageSpec
+from pipeline.stage import import_path, load as load_stage
 from pipeline.storage import StorageConfig
 from pipeline.tracking import redact, split_credentials, take_credentials
-from stages.batch_infer import BatchInferConfig
-from stages.common.models import ModelConfig
-from stages.common.tasks import TaskConfig
-from stages.data import DataConfig
-from stages.dpo import DPOConfig
-from stages.ppo import PPOConfig
-from stages.reward import RewardConfig
-from stages.serve import ServeConfig
-from stages.sft import SFTConfig
-from stages.tune import TuneConfig
-
 
 class RayConfig(Section):
     """How to reach Ray. Local by default; `address` (or the RAY_ADDRESS variable) joins a cluster."""
@@ -57,6 +47,11 @@ class RayConfig(Section):
 
     def local_num_cpus(self) -> int:
         return self.num_cpus or max(8, 2 * (os.cpu_count() or 1))
+
+    def local_cpus(self) -> int | None:
+        """The logical CPUs of the local Ray a run starts, known when the config loads; None when the run
+        joins a cluster (its size is checked when a stage starts)."""
+        return None if self.address or os.environ.get("RAY_ADDRESS") else self.local_num_cpus()
 
 
 class MlflowConfig(Section):
@@ -80,76 +75,9 @@ class MlflowConfig(Section):
         return take_credentials(v) if v else v
 
 
-class StagesConfig(Section):
-    """One section per stage (the `model` stage is configured by the top-level `model` section)."""
-
-    data: DataConfig = Field(default_factory=DataConfig, description="The data stage (Ray Data).")
-    sft: SFTConfig | None = Field(default_factory=SFTConfig, description="The sft stage (Ray Train + DeepSpeed); "
-                                  "null: no SFT, RL (and the reward model) start from the base model.")
-    reward: RewardConfig | None = Field(default_factory=RewardConfig, description="The reward stage (Ray Train + "
-                                        "DeepSpeed); null: no reward model (RL on a rule reward alone; PPO's critic "
-                                        "then starts from the SFT model).")
-    dpo: DPOConfig | None = Field(None, description="The dpo stage (Ray Train + DeepSpeed): DPO, IPO, SimPO or KTO "
-                                  "on the preference pairs, no reward model; empty: no such stage. Serve its model "
-                                  "with stages.serve.source: dpo_model.")
-    ppo: PPOConfig | None = Field(default_factory=PPOConfig, description="The ppo stage (vLLM rollouts + DeepSpeed "
-                                  "roles); null: no RL (serve takes the SFT model).")
-    serve: ServeConfig | None = Field(default_factory=ServeConfig, description="The serve stage (MLflow Model "
-                                      "Registry + Ray Serve LLM); null: no such stage (nothing is registered or "
-                                      "served; the serve and batch-infer commands still work, with this section's "
-                                      "defaults).")
-    batch_infer: BatchInferConfig | None = Field(None, description="The batch_infer stage (Ray Data LLM over a "
-                                                 "prompts dataset); empty: no such stage (the batch-infer command "
-                                                 "still works).")
-    tune: TuneConfig | None = Field(None, description="The tune stage (Ray Tune sweep over sft, reward, dpo or ppo); "
-                                    "empty: no sweep. See docs/tune.md.")
-
-
-    @model_validator(mode="after")
-    def _a_graph_that_can_run(self) -> "StagesConfig":
-        """The stage graph follows the config: a null stage is left out, and what needs it is refused here,
-        naming the key, rather than failing when the stage runs."""
-        ppo, reward, sft = self.ppo, self.reward, self.sft
-        if ppo is not None and reward is None and ppo.rewards.model_weight:
-            raise ValueError(f"stages.ppo.rewards.model_weight is {ppo.rewards.model_weight:g} but stages.reward is "
-                             "null: there is no reward model to score with; set stages.ppo.rewards.model_weight: 0 "
-                             "(the rule reward alone) or configure stages.reward")
-        for name in ("reward", "dpo"):
-            section = getattr(self, name)
-            if section is not None and sft is None and section.init_from == "sft":
-                raise ValueError(f"stages.{name}.init_from is sft but stages.sft is null; set stages.{name}.init_from: base")
-        dpo = self.dpo
-        made = {"base_model", *(["sft_model"] if sft else []), *(["policy_model"] if ppo else []),
-                *(["dpo_model"] if dpo else [])}
-        # serve's source defaults to the last model trained (sections are frozen once validated)
-        if self.serve is not None and self.serve.source is None:
-            last = "policy_model" if ppo else "dpo_model" if dpo else "sft_model" if sft else "base_model"
-            object.__setattr__(self, "serve", self.serve.model_copy(update={"source": last}))
-        for key, source in (("serve", self.serve.source if self.serve else None),
-                            ("batch_infer", self.batch_infer.source if self.batch_infer else None)):
-            if source and source not in made:
-                stage = {"policy_model": "ppo", "dpo_model": "dpo"}.get(source, "sft")
-                raise ValueError(f"stages.{key}.source is {source} but stages.{stage} is null; use one of "
-                                 f"{', '.join(sorted(made))}")
-        if self.batch_infer is not None and self.batch_infer.score.reward_model and reward is None:
-            raise ValueError("stages.batch_infer.score.reward_model is true but stages.reward is null; set it to false")
-        if self.tune is not None and getattr(self, self.tune.target) is None:
-            raise ValueError(f"stages.tune.target is {self.tune.target} but stages.{self.tune.target} is null")
-        return self
-
-    def present(self) -> list[str]:
-        """The optional training stages this pipeline runs."""
-        return [name for name in ("sft", "reward", "dpo", "ppo") if getattr(self, name) is not None]
-
-    def serve_settings(self) -> ServeConfig:
-        """The serve section the `serve` and `batch-infer` commands read (registry name, engine, endpoint):
-        a pipeline without a serve stage (`stages.serve: null`) may still serve a model by hand, with the
-        section's defaults."""
-        return self.serve if self.serve is not None else ServeConfig()
-
-
-class PipelineConfig(Section):
-    """A whole post-training run."""
+class PipelineSettings(Section):
+    """A whole post-training run: the settings of the run itself. `PipelineConfig` adds the sections the
+    registry names (`pipeline.registry`: the shared top-level sections, then `stages`, one per stage)."""
 
     run_dir: Path = Field(
         Path("runs/default"),
@@ -165,9 +93,7 @@ class PipelineConfig(Section):
     seed: int = Field(0, ge=0, description="Seed for data generation, splits, model init and training.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray connection settings.")
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking settings.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model and tokenizer source.")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="The generated task (data, rewards, accuracy).")
-    stages: StagesConfig = Field(default_factory=StagesConfig, description="Per-stage settings.")
+    registry: ClassVar[tuple[StageSpec, ...]] = ()  # the stages it was composed from (`compose`)
 
     @field_validator("run_dir")
     @classmethod
@@ -175,59 +101,11 @@ class PipelineConfig(Section):
         return v.expanduser().absolute()
 
     @model_validator(mode="after")
-    def _fits_the_model(self) -> "PipelineConfig":
-        limit = self.model.builtin.max_position_embeddings
-        if self.model.is_builtin and self.stages.data.max_len > limit:
-            raise ValueError(f"stages.data.max_len ({self.stages.data.max_len}) exceeds "
-                             f"model.builtin.max_position_embeddings ({limit}); lower one or raise the other")
-        return self
-
-    @model_validator(mode="after")
-    def _tune_fits_its_target(self) -> "PipelineConfig":
-        tune = self.stages.tune
-        for name in self.stages.present():
-            if getattr(self.stages, name).use_tuned and (tune is None or tune.target != name):
-                raise ValueError(f"stages.{name}.use_tuned: there is no sweep over {name} to take values from; add "
-                                 f"stages.tune with target: {name}, or set use_tuned: false")
-        if tune is None:
-            return self
-        target = getattr(self.stages, tune.target)
-        for path, dim in tune.search_space.items():
-            key = f"stages.tune.search_space.{path}"
-            problem = leaf_problem(type(target), path, f"stages.{tune.target}")
-            if problem:
-                raise ValueError(f"{key}: {problem}")
-            for value in dim.candidates():  # every listed value (or both bounds) must be valid for the target
-                try:
-                    with_values(target, {path: value}, prefix=f"stages.{tune.target}")
-                except ValueError as exc:
-                    raise ValueError(f"{key}: {dim.kind} value {value!r} is invalid for stages.{tune.target}: {exc}") from None
-        return self
-
-    @model_validator(mode="after")
-    def _fits_local_ray(self) -> "PipelineConfig":
-        # A local Ray's size is known now; a cluster's is checked when the stage starts.
-        if self.ray.address or os.environ.get("RAY_ADDRESS"):
-            return self
-        ppo, have = self.stages.ppo, self.ray.local_num_cpus()
-        if ppo is not None and ppo.cpus_needed() > have:
-            raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
-                             f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
-                             "fewer engines or ranks, or raise ray.num_cpus")
-        serve = self.stages.serve
-        if serve is not None and serve.deploy and serve.cpus_needed() > have:
-            raise ValueError(f"stages.serve.replicas: {serve.replicas} replica(s) need {serve.cpus_needed()} logical "
-                             f"CPUs (2 each + the ingress) but the local Ray has {have} (ray.num_cpus); use fewer "
-                             "replicas or raise ray.num_cpus")
-        tune = self.stages.tune
-        if tune is not None:
-            target = getattr(self.stages, tune.target)
-            per_trial = tune.resources_per_trial.cpu + (target.cpus_needed() if tune.target == "ppo" else target.num_workers)
-            if per_trial * tune.max_concurrent_trials > have:
-                raise ValueError(f"stages.tune.max_concurrent_trials: {tune.max_concurrent_trials} trials of "
-                                 f"{tune.target} need {per_trial:g} logical CPUs each (driver + workers), "
-                                 f"{per_trial * tune.max_concurrent_trials:g} in all, but the local Ray has {have} "
-                                 "(ray.num_cpus); run fewer trials at once or raise ray.num_cpus")
+    def _stages_agree(self) -> "PipelineSettings":
+        """Each registered stage's `check` hook, in registry order, configured or not: the rules its section
+        keeps with the rest (a reward model to score with, a sweep's target, enough CPUs on a local Ray)."""
+        for spec in self.registry:
+            load_stage(spec.module).check(self)
         return self
 
     @property
@@ -238,6 +116,35 @@ class PipelineConfig(Section):
         if self.mlflow.tracking_uri:
             return split_credentials(self.mlflow.tracking_uri)[0]
         return f"sqlite:///{self.run_dir / 'mlflow.db'}"
+
+
+def _stage_field(presence: str, settings: type[Section], doc: str) -> tuple[Any, Any]:
+    """The `stages.<name>` field of a stage's section: always there, there unless null, or empty unless set."""
+    if presence == "always":
+        return settings, Field(default_factory=settings, description=doc)
+    if presence == "default":
+        return settings | None, Field(default_factory=settings, description=doc)
+    return settings | None, Field(None, description=doc)
+
+
+def compose(stages: tuple[StageSpec, ...] = STAGES, sections: tuple[SectionSpec, ...] = SECTIONS) -> type[PipelineSettings]:
+    """The pipeline's config class from a registry: its own settings, the shared sections, then `stages` with
+    one section per stage that has a config class. The framework names no stage (docs/architecture.md,
+    "Adding a stage"); a test composes one with a toy stage added."""
+    stages_config = create_model(
+        "StagesConfig", __base__=Section, __doc__="One section per stage (the `model` stage is configured by the "
+        "top-level `model` section).",
+        **{s.name: _stage_field(s.presence, import_path(s.settings), s.doc) for s in stages if s.settings})
+    composed = create_model(
+        "PipelineConfig", __base__=PipelineSettings, __doc__="A whole post-training run.",
+        **{s.name: (import_path(s.settings), Field(default_factory=import_path(s.settings), description=s.doc))
+           for s in sections},
+        stages=(stages_config, Field(default_factory=stages_config, description="Per-stage settings.")))
+    composed.registry = stages
+    return composed
+
+
+PipelineConfig = compose()
 
 
 # --------------------------------------------------------------------------- loading
@@ -274,56 +181,19 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Read, override and validate a pipeline YAML (None: the defaults); raise `ConfigError` on any user mistake."""
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (),
+                schema: type[PipelineSettings] | None = None) -> PipelineConfig:
+    """Read, override and validate a pipeline YAML (None: the defaults); raise `ConfigError` on any user mistake.
+    `schema`: a config class composed from another registry (`compose`); default PipelineConfig."""
+    schema = schema or PipelineConfig
     path = Path(path) if path is not None else Path("(defaults)")
     data = _read_yaml(path) if str(path) != "(defaults)" else {}
     for text in overrides:
         apply_override(data, *parse_override(text))
     try:
-        return PipelineConfig.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: invalid configuration\n{format_validation_error(exc, PipelineConfig)}") from None
-
-
-def leaf_problem(model: type[Section], dotted: str, prefix: str) -> str | None:
-    """Why `dotted` is not a settable value field of `model` (None if it is): for search spaces."""
-    node: Any = model
-    parts = dotted.split(".")
-    for i, part in enumerate(parts):
-        fields = getattr(node, "model_fields", {})
-        if part not in fields or part == "use_tuned":
-            valid = sorted(f for f in fields if f != "use_tuned")
-            close = difflib.get_close_matches(part, valid, n=1)
-            where = ".".join([prefix, *parts[:i]])
-            return (f"not a field of {where}; " + (f"did you mean '{close[0]}'? " if close else "")
-                    + f"fields there: {', '.join(valid)}")
-        inner, placeholder = subsection(fields[part].annotation)  # a section, or an optional one (`X | None`)
-        is_section = inner is not None and not placeholder
-        node = inner if is_section else fields[part].annotation
-        if i == len(parts) - 1 and is_section:
-            return f"is a section, not a value; name one of its fields, e.g. {dotted}.{next(iter(node.model_fields))}"
-        if i < len(parts) - 1 and not is_section:
-            return f"{'.'.join(parts[: i + 1])} is a value, not a section"
-    return None
-
-
-def subsection(annotation: Any) -> tuple[type[Section] | None, str]:
-    """The Section class a field holds, directly, as `X | None`, or as the values of `dict[str, X]` or the
-    items of `list[X]` (then with the key or index placeholder to show in paths)."""
-    import typing
-
-    if isinstance(annotation, type) and issubclass(annotation, Section):
-        return annotation, ""
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is dict and len(args) == 2:
-        inner, _ = subsection(args[1])
-        return inner, ".<field path>" if inner else ""
-    if typing.get_origin(annotation) is list and len(args) == 1:
-        inner, _ = subsection(args[0])
-        return inner, "[i]" if inner else ""
-    sections = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
-    return (sections[0], "") if len(sections) == 1 and set(args) <= {sections[0], type(None)} else (None, "")
+        raise ConfigError(f"{path}: invalid configuration\n{format_validation_error(exc, schema)}") from None
 
 
 def reference(model: type[Section] = PipelineConfig, prefix: str = "") -> list[tuple[str, str, str]]:

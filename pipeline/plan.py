@@ -173,11 +173,12 @@ def explain_miss(store: storage.ArtifactStore, spec: StageSpec, key: str, comps:
     return "; ".join(reasons) or "changed"
 
 
-def tuned_values(store: storage.ArtifactStore, tune_key: str) -> dict | None:
-    """The finished sweep's best values ({field path: value}), or None if it has not run.
+def tuned_values(store: storage.ArtifactStore, sweep: str, key: str) -> dict | None:
+    """The finished sweep's best values ({field path: value}), or None if it has not run: `best_config` of
+    the stage `sweep` under `key`.
 
     Read from the bucket when only the bucket has the sweep (planning writes nothing locally)."""
-    raw = store.read_output("tune", tune_key, "best_config")
+    raw = store.read_output(sweep, key, "best_config")
     try:
         best = json.loads(raw) if raw else None
     except ValueError:
@@ -210,7 +211,7 @@ class Planner:
         upstream = {i: self.keys[self.producer[i]] for i in spec.inputs}
         stage_cfg = get_path(cfg, spec.config)
         if "best_config" in spec.inputs and upstream["best_config"] is not None:
-            values = tuned_values(self.store, upstream["best_config"])
+            values = tuned_values(self.store, self.producer["best_config"], upstream["best_config"])
             if values is None:
                 upstream["best_config"] = None
             else:
@@ -219,11 +220,13 @@ class Planner:
                     stage_cfg = with_values(stage_cfg, values, prefix=spec.config)
                 except ValueError as exc:
                     raise UserError(f"{spec.config}.use_tuned: the sweep's best values do not fit the current "
-                                    f"config ({exc}); rerun the sweep (--force tune) or set use_tuned: false") from None
+                                    f"config ({exc}); rerun the sweep (--force {self.producer['best_config']}) or "
+                                    "set use_tuned: false") from None
         unknown = sorted(self.producer[i] for i, k in upstream.items() if k is None)
         if unknown:
             self.keys[spec.name] = None
-            why = ("waits for the tune stage's best values (keyed once the sweep has run)" if unknown == ["tune"]
+            sweep = self.producer.get("best_config")
+            why = (f"waits for the {sweep} stage's best values (keyed once the sweep has run)" if unknown == [sweep]
                    else f"keyed once {' and '.join(unknown)} {'has' if len(unknown) == 1 else 'have'} run")
             return PlannedStage(spec, None, {"upstream": upstream}, status_if("miss"), why, False, stage_cfg)
         comps = components(cfg, spec, upstream, self.fps, stage_cfg)

@@ -8,17 +8,17 @@ another config section must list it in `reads`, or changes to it would not inval
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    module: str  # has run(cfg, ctx) -> {output name: path}; may have raw_inputs(pipeline_cfg)
+    module: str  # has run(cfg, ctx) -> {output name: path}; may have the hooks of pipeline.stage
     config: str  # dotted path of the section passed to run() as `cfg`
     reads: tuple[str, ...]  # other config paths the stage reads through ctx.pipeline
-    inputs: tuple[str, ...]  # artifacts it consumes
+    inputs: tuple[str, ...]  # artifacts it consumes (its `wire` hook may change them for a pipeline)
     outputs: tuple[str, ...]  # artifacts it produces
     about: str
     code: tuple[str, ...] = ()  # further modules whose source is part of this stage's code (tune runs its target)
@@ -28,6 +28,35 @@ class StageSpec:
     # Settings inside what it reads that cannot change its outputs (the model and data stages read all of
     # `task` to generate it, but how answers are scored is not theirs): left out of its cache key.
     ignores: tuple[str, ...] = ()
+    # Its config section's class, "module:Class"; `stages.<name>` of PipelineConfig is composed from it.
+    # Empty: the stage is configured by a shared top-level section (SECTIONS: the model stage by `model`).
+    settings: str = ""
+    # Whether `stages.<name>` is there when the YAML does not say: "always" (it cannot be null), "default"
+    # (there unless set to null) or "opt-in" (empty unless configured).
+    presence: str = "opt-in"
+    doc: str = ""  # the description of `stages.<name>` in the config reference
+    view: bool = False  # its outcomes are columns of the MLflow UI's runs table (`pipeline ui`)
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    """A top-level config section that stages share (the base model, the task): "module:Class"."""
+
+    name: str
+    settings: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """A command of the CLI that a stage's code provides beside `run` (`python -m pipeline <name>`): its
+    module has `add_arguments(parser)` and `main(args, cfg, console) -> exit code`."""
+
+    name: str
+    module: str
+    help: str
+    config: str = "required"  # the CONFIG argument: "required", "optional" (serve) or "none" (compare)
+    routed: bool = False  # library output goes to log files through pipeline.console's router (as in `run`)
 
 
 # A training stage's fixed cost: stage start -> its first optimizer step (ppo: its first iteration), held-out
@@ -40,24 +69,34 @@ PPO_OUTCOME = ("accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {e
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("model", "stages.model", "model", ("seed", "task"), (), ("base_model",),
               "build the embedded base model + tokenizer, or check a local checkpoint",
-              outcomes=("{num_parameters:,.0f} parameters",), ignores=("task.verifier",)),
+              outcomes=("{num_parameters:,.0f} parameters",), ignores=("task.verifier",), presence="always"),
     StageSpec("data", "stages.data", "stages.data", ("seed", "task"), ("base_model",),
               ("sft_data", "preference_data", "prompt_data"),
               "Ray Data: validate, dedupe, template, tokenize, mask, split, write Parquet",
               outcomes=("{sft_train_rows:.0f} SFT rows", "{preference_train_rows:.0f} preference pairs",
-                        "{prompts_train_rows:.0f} RL prompts"), ignores=("task.verifier",)),
+                        "{prompts_train_rows:.0f} RL prompts"), ignores=("task.verifier",),
+              settings="stages.data:DataConfig", presence="always", doc="The data stage (Ray Data)."),
     StageSpec("sft", "stages.sft", "stages.sft", ("seed", "task.verifier"), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
               "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens",
               outcomes=("eval loss {eval_loss:.3f}",
-                        "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts", STARTUP)),
+                        "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts", STARTUP),
+              settings="stages.sft:SFTConfig", presence="default", view=True,
+              doc="The sft stage (Ray Train + DeepSpeed); null: no SFT, RL (and the reward model) start from the "
+                  "base model."),
     StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"), ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
-              outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}", STARTUP)),
+              outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}", STARTUP),
+              settings="stages.reward:RewardConfig", presence="default", view=True,
+              doc="The reward stage (Ray Train + DeepSpeed); null: no reward model (RL on a rule reward alone; "
+                  "PPO's critic then starts from the SFT model)."),
     StageSpec("dpo", "stages.dpo", "stages.dpo", ("seed", "task.verifier"), ("base_model", "sft_model", "preference_data", "prompt_data"),
               ("dpo_model",), "Ray Train + DeepSpeed ZeRO: DPO / IPO / SimPO / KTO on the preference pairs, no reward model",
               outcomes=("implicit-reward accuracy {eval_reward_accuracy:.3f}",
                         "accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
-                        "(sign test p={eval_accuracy_sign_test_p:.3g})", STARTUP)),
+                        "(sign test p={eval_accuracy_sign_test_p:.3g})", STARTUP),
+              settings="stages.dpo:DPOConfig", view=True,
+              doc="The dpo stage (Ray Train + DeepSpeed): DPO, IPO, SimPO or KTO on the preference pairs, no reward "
+                  "model; empty: no such stage. Serve its model with stages.serve.source: dpo_model."),
     StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"), ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
               outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})",
@@ -67,53 +106,62 @@ STAGES: tuple[StageSpec, ...] = (
                         "length {curve_length_first:.1f} -> {curve_length_last:.1f}", STARTUP,
                         # failed calls of the user's code (shown only when there were any: the metrics exist then)
                         "reward errors {rule_errors_total:.0f}", "reward timeouts {rule_timeouts_total:.0f}",
-                        "environment errors {env_errors_total:.0f}")),
+                        "environment errors {env_errors_total:.0f}"),
+              settings="stages.ppo:PPOConfig", presence="default", view=True,
+              doc="The ppo stage (vLLM rollouts + DeepSpeed roles); null: no RL (serve takes the SFT model)."),
     # serve registers in the tracking server's model registry: another registry is another result.
     # `tracking_uri` is PipelineConfig's, without the password: another password is the same registry.
     StageSpec("serve", "stages.serve", "stages.serve", ("seed", "tracking_uri"), ("policy_model",), ("served_model",),
               "MLflow Model Registry + Ray Serve LLM: register the model, serve an OpenAI-compatible API",
               outcomes=("version {registered_version:.0f}", "p50 {smoke_latency_p50_s:.2f}s",
-                        "{smoke_tokens_per_s:.0f} tokens/s")),
+                        "{smoke_tokens_per_s:.0f} tokens/s"),
+              settings="stages.serve:ServeConfig", presence="default", view=True,
+              doc="The serve stage (MLflow Model Registry + Ray Serve LLM); null: no such stage (nothing is "
+                  "registered or served; the serve and batch-infer commands still work, with this section's "
+                  "defaults)."),
+    # inputs: its source model, and the pipeline's prompts or reward model as configured (its `wire` hook)
+    StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed", "task.verifier"), (), ("predictions",),
+              "Ray Data LLM: completions for a prompts dataset, scored, as Parquet",
+              outcomes=("{rows:.0f} rows", "{rows_failed:.0f} failed"), settings="stages.batch_infer:BatchInferConfig",
+              doc="The batch_infer stage (Ray Data LLM over a prompts dataset); empty: no such stage (the "
+                  "batch-infer command still works)."),
+    # reads, inputs and code: its target's (its `wire` hook); about: names the target
+    StageSpec("tune", "stages.tune", "stages.tune", ("seed",), (), ("best_config",), "Ray Tune: sweep {target}'s config, "
+              "every trial its real training, tracked in MLflow", outcomes=("{trials:.0f} trials",),
+              settings="stages.tune:TuneConfig", doc="The tune stage (Ray Tune sweep over sft, reward, dpo or ppo); "
+              "empty: no sweep. See docs/tune.md."),
+)
+
+# The top-level sections the stages share, composed into PipelineConfig after its own settings.
+SECTIONS: tuple[SectionSpec, ...] = (
+    SectionSpec("model", "stages.common.models:ModelConfig", "Base model and tokenizer source."),
+    SectionSpec("task", "stages.common.tasks:TaskConfig", "The generated task (data, rewards, accuracy)."),
+)
+
+# The CLI's commands that stages provide, after the framework's own (validate, plan, run, submit, ...).
+COMMANDS: tuple[CommandSpec, ...] = (
+    CommandSpec("serve", "stages.serve.command", "serve a registered model behind the OpenAI-compatible API until "
+                "Ctrl-C (engine and endpoint from stages.serve)", config="optional"),
+    CommandSpec("batch-infer", "stages.batch_infer", "generate completions for a prompts file with a "
+                "registered model (settings from stages.batch_infer); Parquet results and a summary, tracked in MLflow"),
+    CommandSpec("compare", "stages.compare", "two trained policies on the same held-out prompts: per metric the "
+                "difference, prompts won and lost, and a paired sign test; logged to MLflow", config="none",
+                routed=True),
 )
 
 
-def _wired(spec: StageSpec, cfg: Any) -> StageSpec:
-    """A stage's inputs in this pipeline: serve reads its source model; without an sft stage RL starts from
-    the base model (so do the reward model and DPO); without a reward stage PPO's critic starts from the policy's own start."""
-    stages = cfg.stages
-    if spec.name == "serve":
-        return replace(spec, inputs=(stages.serve.source,))
-    if spec.name == "ppo":
-        start = "sft_model" if stages.sft is not None else "base_model"
-        return replace(spec, inputs=(start, *(("reward_model",) if stages.reward is not None else ()), "prompt_data"))
-    if spec.name in ("reward", "dpo") and stages.sft is None:
-        return replace(spec, inputs=tuple(i for i in spec.inputs if i != "sft_model"))
-    return spec
+def stages_for(cfg: Any, registry: tuple[StageSpec, ...] | None = None) -> tuple[StageSpec, ...]:
+    """The stages of a pipeline config, in registry order: those whose section is not null, each as its
+    `wire` hook places it in this pipeline (its inputs given the other stages present: without an sft stage,
+    RL starts from the base model; a sweep reads what its target reads). A hook may also rewire a stage
+    placed before it (a sweep's target with `use_tuned` consumes the sweep's `best_config`). `registry`: the
+    stages the config was composed from (default: its class's, `pipeline.config.compose`)."""
+    from pipeline.schema import get_path
+    from pipeline.stage import load
 
-
-def stages_for(cfg: Any) -> tuple[StageSpec, ...]:
-    """The stages of a pipeline config: STAGES without those set to null (their consumers rewired, `_wired`;
-    serve too may be null, and nothing reads its output), with serve reading its configured source model, plus
-    the batch_infer stage when `stages.batch_infer` is set and the tune stage when `stages.tune` is.
-
-    The tune stage reads what its target reads (it runs the target's code on the same artifacts)
-    and the target's config section. A target with `use_tuned: true` also consumes the sweep's
-    `best_config`, which places the sweep before it.
-    """
-    stages = tuple(_wired(s, cfg) for s in STAGES if s.name in ("model", "data") or getattr(cfg.stages, s.name) is not None)
-    batch = cfg.stages.batch_infer
-    if batch is not None:
-        inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),
-                  *(("reward_model",) if batch.score.reward_model else ()))
-        stages += (StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed", "task.verifier"), inputs,
-                             ("predictions",), "Ray Data LLM: completions for a prompts dataset, scored, as Parquet",
-                             outcomes=("{rows:.0f} rows", "{rows_failed:.0f} failed")),)
-    tune = cfg.stages.tune
-    if tune is None:
-        return stages
-    target = next(s for s in STAGES if s.name == tune.target)
-    sweep = StageSpec("tune", "stages.tune", "stages.tune", ("seed", target.config), target.inputs, ("best_config",),
-                      f"Ray Tune: sweep {tune.target}'s config, every trial its real training, tracked in MLflow",
-                      code=(target.module,), outcomes=("{trials:.0f} trials",))
-    uses = getattr(cfg.stages, tune.target).use_tuned
-    return tuple(replace(s, inputs=(*s.inputs, "best_config")) if s is target and uses else s for s in stages) + (sweep,)
+    stages: tuple[StageSpec, ...] = ()
+    for spec in registry or getattr(type(cfg), "registry", STAGES):
+        if get_path(cfg, spec.config) is None:
+            continue
+        stages = load(spec.module).wire(spec, cfg, stages)
+    return stages

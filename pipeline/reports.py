@@ -68,13 +68,15 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
 
 
 def registered_model(cfg, summary: dict) -> str | None:
-    """The registry URI the serve stage moved its alias to in this run (None without one)."""
+    """The registry URI a stage of this run (the serve stage) moved its alias to: its `served_model` output
+    (None without one)."""
     from pipeline import storage
 
-    manifest, plan = summary.get("stages", {}).get("serve"), {p.spec.name: p for p in summary.get("plan", [])}
+    maker = next((p for p in summary.get("plan", []) if "served_model" in p.spec.outputs), None)
+    manifest = summary.get("stages", {}).get(maker.spec.name) if maker else None
     if manifest is None or cfg is None:
         return None
-    path = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, "serve", plan["serve"].key))
+    path = storage.output_paths(manifest, storage.artifact_dir(cfg.run_dir, maker.spec.name, maker.key))
     try:
         return json.loads(Path(path["served_model"]).read_text())["uri"]
     except (KeyError, OSError, ValueError):

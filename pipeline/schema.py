@@ -39,16 +39,22 @@ def apply_override(data: dict, path: list[str], value: Any) -> None:
 
 
 def _model_at(root: type[Section], loc: tuple) -> type[Section] | None:
-    """The config class that owns the key at `loc` (to suggest valid keys for a typo)."""
+    """The config class that owns the key at `loc` (to suggest valid keys for a typo): through sections,
+    optional sections (`X | None`, as most stages' are) and the values of `dict[str, X]` / items of `list[X]`."""
     model: Any = root
-    for part in loc[:-1]:
-        field = getattr(model, "model_fields", {}).get(part)
+    parts = list(loc[:-1])
+    while parts:
+        field = getattr(model, "model_fields", {}).get(parts.pop(0))
         if field is None:
             return None
-        model = field.annotation
-        if not isinstance(model, type):
+        model, placeholder = subsection(field.annotation)
+        if model is None:
             return None
-    return model if isinstance(model, type) and issubclass(model, Section) else None
+        if placeholder:  # the next part is the dict's key or the list's index
+            if not parts:
+                return None
+            parts.pop(0)
+    return model
 
 
 def format_validation_error(exc: ValidationError, root: type[Section]) -> str:
@@ -112,3 +118,42 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
             out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix.rstrip("."): data}
+
+def leaf_problem(model: type[Section], dotted: str, prefix: str) -> str | None:
+    """Why `dotted` is not a settable value field of `model` (None if it is): for search spaces."""
+    node: Any = model
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = getattr(node, "model_fields", {})
+        if part not in fields or part == "use_tuned":
+            valid = sorted(f for f in fields if f != "use_tuned")
+            close = difflib.get_close_matches(part, valid, n=1)
+            where = ".".join([prefix, *parts[:i]])
+            return (f"not a field of {where}; " + (f"did you mean '{close[0]}'? " if close else "")
+                    + f"fields there: {', '.join(valid)}")
+        inner, placeholder = subsection(fields[part].annotation)  # a section, or an optional one (`X | None`)
+        is_section = inner is not None and not placeholder
+        node = inner if is_section else fields[part].annotation
+        if i == len(parts) - 1 and is_section:
+            return f"is a section, not a value; name one of its fields, e.g. {dotted}.{next(iter(node.model_fields))}"
+        if i < len(parts) - 1 and not is_section:
+            return f"{'.'.join(parts[: i + 1])} is a value, not a section"
+    return None
+
+
+def subsection(annotation: Any) -> tuple[type[Section] | None, str]:
+    """The Section class a field holds, directly, as `X | None`, or as the values of `dict[str, X]` or the
+    items of `list[X]` (then with the key or index placeholder to show in paths)."""
+    import typing
+
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return annotation, ""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is dict and len(args) == 2:
+        inner, _ = subsection(args[1])
+        return inner, ".<field path>" if inner else ""
+    if typing.get_origin(annotation) is list and len(args) == 1:
+        inner, _ = subsection(args[0])
+        return inner, "[i]" if inner else ""
+    sections = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
+    return (sections[0], "") if len(sections) == 1 and set(args) <= {sections[0], type(None)} else (None, "")

@@ -7,6 +7,8 @@ A stage is a module (`stages/<name>.py`, or a package such as `stages/ppo/`) tha
     raw_inputs(pipeline_cfg: PipelineConfig) -> list[Path]                    # optional hook
     always_runs(cfg: <its config section>) -> str | None                      # optional hook
     configured_code(cfg: <its config section>) -> list[str]                  # optional hook
+    check(pipeline_cfg: PipelineConfig) -> None                               # optional hook
+    wire(spec, pipeline_cfg, stages) -> stages                                # optional hook
 
 `run` writes its outputs under `ctx.out_dir` and returns {output name: path} for every output
 the registry lists. It talks to the rest of the system only through `ctx`: its inputs, its
@@ -99,6 +101,15 @@ def _no_configured_code(cfg: Any) -> list[str]:
     return []
 
 
+def _nothing_to_check(pipeline_cfg: Any) -> None:
+    """Default `check`: the stage's section needs nothing of the others."""
+
+
+def _as_registered(spec: Any, pipeline_cfg: Any, stages: tuple) -> tuple:
+    """Default `wire`: the stage takes the inputs the registry lists."""
+    return (*stages, spec)
+
+
 @dataclass(frozen=True)
 class Stage:
     """A loaded stage module with both optional hooks filled in (this is the one place that looks them up).
@@ -109,6 +120,12 @@ class Stage:
       point is the running server), or None.
     - `configured_code(cfg)`: modules the stage imports at run time by a name in its config (a
       custom reward function); their code is part of its cache key like the stage's own.
+    - `check(pipeline_cfg)`: the rules its section must keep with the rest of the config (a reward model
+      to score with, enough CPUs on a local Ray), run when any config loads, whether the stage is
+      configured or not; a ValueError naming the key and the fix becomes the config error.
+    - `wire(spec, pipeline_cfg, stages)`: the pipeline's stages so far (registry order) with this one
+      added as this pipeline needs it (its inputs given which stages are present); it may rewire one
+      placed before it.
     """
 
     module: ModuleType
@@ -116,6 +133,8 @@ class Stage:
     raw_inputs: Callable[[Any], list[Path]]
     always_runs: Callable[[Any], str | None]
     configured_code: Callable[[Any], list[str]]
+    check: Callable[[Any], None]
+    wire: Callable[[Any, Any, tuple], tuple]
 
 
 def load(module_name: str) -> Stage:
@@ -125,4 +144,11 @@ def load(module_name: str) -> Stage:
         raise TypeError(f"stage module {module_name} has no run(cfg, ctx) function")
     return Stage(module, module.run, getattr(module, "raw_inputs", _no_raw_inputs),
                  getattr(module, "always_runs", _cached_normally),
-                 getattr(module, "configured_code", _no_configured_code))
+                 getattr(module, "configured_code", _no_configured_code),
+                 getattr(module, "check", _nothing_to_check), getattr(module, "wire", _as_registered))
+
+
+def import_path(path: str) -> Any:
+    """The object a "module:name" path names (a stage's config class in the registry)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

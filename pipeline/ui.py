@@ -13,9 +13,6 @@ import sys
 
 from pipeline.tracking import redact
 
-VIEW_STAGES = ("sft", "reward", "dpo", "ppo", "serve")  # stages whose headline metrics are runs-table columns
-
-
 def ui_url(cfg, port: int) -> str:
     """Where to open the UI: the run's experiment in MLflow's model-training view, its runs listed
     with each stage's headline metrics (a view shared through the experiment, written here).
@@ -38,7 +35,7 @@ def ui_url(cfg, port: int) -> str:
         return base
     url = f"{base}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
     # Whether post-training worked; the parent run's other outcomes (rows, sizes) are a click away.
-    columns = [f"{s.name}.{m}" for s in STAGES if s.name in VIEW_STAGES for t in s.outcomes for m in outcomes.fields(t)]
+    columns = [f"{s.name}.{m}" for s in STAGES if s.view for t in s.outcomes for m in outcomes.fields(t)]
     try:
         return f"{url}&viewStateShareKey={share_runs_view(client, exp.experiment_id, columns)}"
     except Exception:  # noqa: BLE001 - a read-only store: the default view

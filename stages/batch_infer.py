@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -27,7 +28,7 @@ from pydantic import Field, field_validator
 
 from pipeline.errors import UserError
 from pipeline.schema import Section
-from stages.common.serving import EngineConfig
+from stages.common.serving import EngineConfig, check_source
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -83,6 +84,25 @@ class BatchInferConfig(Section):
         if v.is_dir() and not any(v.rglob("*.parquet")):
             raise ValueError(f"{v}: a directory must hold .parquet files")
         return v
+
+
+def check(pipeline_cfg) -> None:
+    """The stage's `check` hook: its source is a model the pipeline makes; scoring with the reward model needs one."""
+    batch = pipeline_cfg.stages.batch_infer
+    if batch is None:
+        return
+    check_source("stages.batch_infer.source", batch.source, pipeline_cfg.stages)
+    if batch.score.reward_model and pipeline_cfg.stages.reward is None:
+        raise ValueError("stages.batch_infer.score.reward_model is true but stages.reward is null; set it to false")
+
+
+def wire(spec, pipeline_cfg, stages: tuple) -> tuple:
+    """The stage's `wire` hook: its source model, the pipeline's held-out prompts unless it has its own file,
+    and the reward model when it scores with it."""
+    batch = pipeline_cfg.stages.batch_infer
+    inputs = (batch.source, *(("prompt_data",) if batch.prompts is None else ()),
+              *(("reward_model",) if batch.score.reward_model else ()))
+    return (*stages, replace(spec, inputs=inputs))
 
 
 def raw_inputs(pcfg) -> list[Path]:
@@ -343,3 +363,26 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
         if started:
             shutdown_ray(log)
     return summary, output
+
+
+# --------------------------------------------------------------------------- the batch-infer command
+
+
+def add_arguments(parser) -> None:
+    """`python -m pipeline batch-infer CONFIG [--model URI] [--prompts FILE] [--output DIR] [--reward-model URI]`."""
+    parser.add_argument("--model", help="models:/NAME@ALIAS or a local model directory (default: the serve stage's "
+                        "registered model, models:/<stages.serve.registry.model_name>@<alias>)")
+    parser.add_argument("--prompts", type=Path, help="a .jsonl or .parquet file of prompts (default: "
+                        "stages.batch_infer.prompts)")
+    parser.add_argument("--output", type=Path, help="a new directory for the results (default: "
+                        "<run_dir>/batch_infer/<time>)")
+    parser.add_argument("--reward-model", help="a reward model (registry URI or directory) to score completions with")
+
+
+def main(args, cfg, console) -> int:
+    from stages.serve.command import default_model, logger
+
+    summary, output = infer_registered(cfg, args.model or default_model(cfg), args.prompts, args.output,
+                                       args.reward_model, logger("batch-infer", console))
+    console.print(f"[bold green]done[/]: {summary['rows']} rows ({summary['rows_failed']} failed) in {output}")
+    return 0

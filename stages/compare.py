@@ -214,3 +214,70 @@ def print_comparison(result: dict, console) -> None:
         table.add_row(name, f"{s['a']:.4f}", f"{s['b']:.4f}", f"{s['diff']:+.4f}", f"{s['won']:.0f}",
                       f"{s['lost']:.0f}", f"{s['p']:.3g}")
     console.print(table)
+
+
+# --------------------------------------------------------------------------- the command
+
+DESCRIPTION = ("Both policies answer every held-out prompt of their shared data stage (greedy, and --samples samples "
+               "from one seed). A and B: a run directory (its newest ppo, dpo or sft policy; DIR:STAGE picks one), a "
+               "stage's artifact directory (<run_dir>/artifacts/<stage>/<key>), or an MLflow run id.")
+
+
+def add_arguments(parser) -> None:
+    """`python -m pipeline compare A B [--config YAML] [--samples N] ...`."""
+    parser.add_argument("a", metavar="A", help="the first policy (the baseline)")
+    parser.add_argument("b", metavar="B", help="the second policy (what the differences are of: B - A)")
+    parser.add_argument("--config", type=Path, help="a pipeline YAML whose mlflow and ray settings to use (default: "
+                        "MLFLOW_TRACKING_URI, else A's run directory's store; a local Ray)")
+    parser.add_argument("--samples", type=int, default=8, help="sampled answers per prompt besides the greedy one "
+                        "(default 8; 0: greedy only)")
+    parser.add_argument("--prompts", type=int, help="compare on the first N held-out prompts only (default: all)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per answer at most, for both (default: the longer of "
+                        "their training settings)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    parser.add_argument("--seed", type=int, default=12345, help="the sampling seed both policies share (default 12345)")
+    parser.add_argument("--reward-model", help="a reward model directory to score both with (default: the one both "
+                        "runs trained against, if they share one)")
+    parser.add_argument("--tracking-uri", help="the MLflow store of run ids and of the comparison's run")
+    parser.add_argument("--json", dest="json_out", action="store_true",
+                        help="print the result as JSON on stdout (progress on stderr)")
+
+
+def main(args, cfg, console) -> int:
+    """The command: `cfg` is None (it takes no pipeline config argument; `--config` names one)."""
+    import os
+    import sys
+
+    from pipeline import console as console_mod
+
+    for flag, value, low in (("--samples", args.samples, 0), ("--prompts", args.prompts, 1),
+                             ("--max-tokens", args.max_tokens, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value}: must be at least {low}")
+    if args.config is not None:
+        from pipeline.config import load_config
+
+        cfg = load_config(args.config, [])
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (cfg.tracking_uri if cfg else None)
+    if args.json_out:
+        from rich.console import Console
+
+        router = console_mod.current()
+        console = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
+    # Ray's and vLLM's output goes to A's run directory's logs/compare.log, as a run's stages' does
+    a = find_policy(args.a, uri)
+    with console_mod.run_logs(a.run_dir), console_mod.stage_log("compare") as log_path:
+        if log_path:
+            console.print(f"compare: library output in {log_path}")
+        result = compare_runs(a, args.b, samples=args.samples, prompts=args.prompts, max_tokens=args.max_tokens,
+                              temperature=args.temperature, seed=args.seed, reward_model=args.reward_model,
+                              tracking_uri=uri, log_to=cfg.tracking_uri if cfg else None,
+                              experiment=cfg.mlflow.experiment if cfg else "posttrain",
+                              ray_cfg=cfg.ray if cfg else None, log=lambda m: console.print(f"compare: {m}"))
+    if args.json_out:
+        router = console_mod.current()
+        print(json.dumps(result, indent=2), file=router.out if router else sys.stdout)
+    else:
+        print_comparison(result, console)
+        console.print(f"logged to MLflow run {result['run_id']}")
+    return 0

@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 
 from pipeline import events
 from pipeline.errors import UserError
-from stages.common.deepspeed import TrainingConfig
+from stages.common.deepspeed import TrainingConfig, needs_sft, without_sft
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -502,6 +502,14 @@ def task_accuracy(start: Path, tuned: Path, rows: list[dict], cfg: DPOConfig, ve
     before, after = ({name: per_prompt_accuracy(answers, rows, verifier) for name, answers in zip(measures, out)}
                      for out in outs)
     return {"eval_prompts": len(rows), **compare(before, after)}
+
+
+def check(pipeline_cfg) -> None:
+    """`init_from: sft` needs an sft stage."""
+    needs_sft("dpo", pipeline_cfg)
+
+
+wire = without_sft  # without an sft stage, it starts from the base model
 
 
 def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:

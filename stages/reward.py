@@ -42,7 +42,7 @@ from pydantic import Field, model_validator
 
 from pipeline import events
 from pipeline.errors import UserError
-from stages.common.deepspeed import TrainingConfig
+from stages.common.deepspeed import TrainingConfig, needs_sft, without_sft
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -317,6 +317,14 @@ def train_loop(c: dict) -> None:
 
 
 # --------------------------------------------------------------------------- the stage
+
+
+def check(pipeline_cfg) -> None:
+    """`init_from: sft` needs an sft stage."""
+    needs_sft("reward", pipeline_cfg)
+
+
+wire = without_sft  # without an sft stage, it starts from the base model
 
 
 def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:

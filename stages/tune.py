@@ -416,6 +416,58 @@ def _write_results(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+TARGETS = ("sft", "reward", "dpo", "ppo")  # the stages a sweep can run (TuneConfig.target)
+
+
+def check(pipeline_cfg) -> None:
+    """The stage's `check` hook: a target that is there, `use_tuned` only on a sweep's target, a search space of
+    the target's settable fields whose every value the target accepts, and a local Ray that fits the trials."""
+    from pipeline.schema import leaf_problem, with_values
+
+    stages, tune = pipeline_cfg.stages, pipeline_cfg.stages.tune
+    if tune is not None and getattr(stages, tune.target) is None:
+        raise ValueError(f"stages.tune.target is {tune.target} but stages.{tune.target} is null")
+    for name in TARGETS:
+        section = getattr(stages, name)
+        if section is not None and section.use_tuned and (tune is None or tune.target != name):
+            raise ValueError(f"stages.{name}.use_tuned: there is no sweep over {name} to take values from; add "
+                             f"stages.tune with target: {name}, or set use_tuned: false")
+    if tune is None:
+        return
+    target = getattr(stages, tune.target)
+    for path, dim in tune.search_space.items():
+        key = f"stages.tune.search_space.{path}"
+        problem = leaf_problem(type(target), path, f"stages.{tune.target}")
+        if problem:
+            raise ValueError(f"{key}: {problem}")
+        for value in dim.candidates():  # every listed value (or both bounds) must be valid for the target
+            try:
+                with_values(target, {path: value}, prefix=f"stages.{tune.target}")
+            except ValueError as exc:
+                raise ValueError(f"{key}: {dim.kind} value {value!r} is invalid for stages.{tune.target}: {exc}") from None
+    have = pipeline_cfg.ray.local_cpus()
+    per_trial = tune.resources_per_trial.cpu + (target.cpus_needed() if tune.target == "ppo" else target.num_workers)
+    if have is not None and per_trial * tune.max_concurrent_trials > have:
+        raise ValueError(f"stages.tune.max_concurrent_trials: {tune.max_concurrent_trials} trials of "
+                         f"{tune.target} need {per_trial:g} logical CPUs each (driver + workers), "
+                         f"{per_trial * tune.max_concurrent_trials:g} in all, but the local Ray has {have} "
+                         "(ray.num_cpus); run fewer trials at once or raise ray.num_cpus")
+
+
+def wire(spec, pipeline_cfg, stages: tuple) -> tuple:
+    """The stage's `wire` hook: the sweep reads what its target reads (it runs the target's code on the same
+    artifacts) and the target's section; a target with `use_tuned: true` also consumes the sweep's
+    `best_config`, which places the sweep before it."""
+    from dataclasses import replace
+
+    name = pipeline_cfg.stages.tune.target
+    target = next(s for s in stages if s.name == name)
+    sweep = replace(spec, reads=(*spec.reads, target.config), inputs=target.inputs, code=(target.module,),
+                    about=spec.about.format(target=name))
+    uses = getattr(pipeline_cfg.stages, name).use_tuned
+    return (*(replace(s, inputs=(*s.inputs, "best_config")) if s is target and uses else s for s in stages), sweep)
+
+
 def raw_inputs(pcfg) -> list[Path]:
     """What the target reads besides its artifacts (a ppo teacher's files): the sweep reruns when they change,
     as the target itself would."""

@@ -175,13 +175,14 @@ def test_the_stage_graph_follows_the_config(tmp_path, overrides, graph, ppo_read
 def test_serve_can_be_dropped_like_any_stage(tmp_path, capsys):
     """`stages.serve: null` is a pipeline that registers and serves nothing: it validates, its plan has no serve
     stage, and the serve and batch-infer commands still find a default registered model."""
-    from pipeline.__main__ import _default_model, main
+    from pipeline.__main__ import main
     from pipeline.registry import stages_for
+    from stages.serve.command import default_model
 
     cfg = smoke_config(tmp_path, "stages.serve=null")
     assert cfg.stages.serve is None
     assert [s.name for s in stages_for(cfg)] == ["model", "data", "sft", "reward", "ppo"]
-    assert _default_model(cfg) == "models:/posttrain-policy@champion"
+    assert default_model(cfg) == "models:/posttrain-policy@champion"
     assert main(["plan", str(SMOKE), f"run_dir={tmp_path}", "stages.serve=null"]) == 0
     out = capsys.readouterr().out
     assert "graph: model -> data -> sft -> reward -> ppo\n" in out and "serve" not in out, out
@@ -201,3 +202,14 @@ def test_graphs_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides,
     result = run_cli("validate", str(SMOKE), f"run_dir={tmp_path}", *overrides)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_a_typo_in_an_optional_section_is_answered_with_its_keys(tmp_path):
+    """Most stages' sections are optional (`X | None`): a typo there names the close key and the valid ones
+    (it named none before: the search for the owning class stopped at the union)."""
+    with pytest.raises(ConfigError) as err:
+        smoke_config(tmp_path, "stages.sft.lrr=0.1")
+    assert "stages.sft.lrr: unknown key; did you mean 'lr'? valid keys here: " in str(err.value)
+    assert "micro_batch_size" in str(err.value)
+    with pytest.raises(ConfigError, match=r"stages\.ppo\.distill\.wieght: unknown key; did you mean 'weight'\?"):
+        smoke_config(tmp_path, "stages.ppo.distill.wieght=1")

@@ -50,9 +50,11 @@ def test_stages_use_only_the_interface(path):
 def test_every_registered_stage_loads_with_its_hooks():
     from pipeline.registry import STAGES
 
-    for module in [s.module for s in STAGES] + ["stages.tune", "stages.batch_infer"]:
+    assert {"stages.tune", "stages.batch_infer"} <= {s.module for s in STAGES}
+    for module in [s.module for s in STAGES]:
         stage = load(module)
         assert callable(stage.run) and callable(stage.raw_inputs) and callable(stage.always_runs)
+        assert callable(stage.check) and callable(stage.wire)
         assert stage.run.__annotations__.get("ctx") == "StageContext", f"{module}.run(cfg, ctx) is not typed with StageContext"
     assert load("stages.serve").always_runs is vars(__import__("stages.serve", fromlist=["x"]))["always_runs"]
     assert load("stages.sft").raw_inputs(None) == []  # the documented default hook

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -156,6 +157,20 @@ class TrainingConfig(Section):
     @property
     def grad_accum(self) -> int:
         return self.batch_size // (self.micro_batch_size * self.num_workers)
+
+
+def needs_sft(name: str, pipeline_cfg: Any) -> None:
+    """`stages.<name>.init_from: sft` (the reward and dpo stages' `check`): there must be an sft stage."""
+    section = getattr(pipeline_cfg.stages, name)
+    if section is not None and pipeline_cfg.stages.sft is None and section.init_from == "sft":
+        raise ValueError(f"stages.{name}.init_from is sft but stages.sft is null; set stages.{name}.init_from: base")
+
+
+def without_sft(spec: Any, pipeline_cfg: Any, stages: tuple) -> tuple:
+    """The reward and dpo stages' `wire`: without an sft stage they start from the base model alone."""
+    if pipeline_cfg.stages.sft is None:
+        spec = replace(spec, inputs=tuple(i for i in spec.inputs if i != "sft_model"))
+    return (*stages, spec)
 
 
 def total_steps(n_rows: int, cfg: TrainingConfig) -> int:

@@ -68,3 +68,16 @@ def engine_env(cfg: EngineConfig, gpu: bool) -> dict[str, str]:
     if not gpu:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cfg.kv_cache_gb)))
     return env
+
+
+# The models a pipeline may serve or run batch inference with, and the stage that makes each (the model
+# stage, always there, makes base_model).
+MODEL_MAKERS = {"sft_model": "sft", "policy_model": "ppo", "dpo_model": "dpo"}
+
+
+def check_source(key: str, source: str | None, stages_cfg: Any) -> None:
+    """`key` (a serve or batch-infer source) names a model this pipeline makes."""
+    made = {"base_model", *(m for m, stage in MODEL_MAKERS.items() if getattr(stages_cfg, stage) is not None)}
+    if source and source not in made:
+        raise ValueError(f"{key} is {source} but stages.{MODEL_MAKERS[source]} is null; use one of "
+                         f"{', '.join(sorted(made))}")

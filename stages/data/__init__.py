@@ -344,6 +344,14 @@ def _pack_batch(batch, max_len: int):
 # --------------------------------------------------------------------------- the stage
 
 
+def check(pipeline_cfg) -> None:
+    """Rows of `max_len` tokens fit the embedded model's positions."""
+    limit, data = pipeline_cfg.model.builtin.max_position_embeddings, pipeline_cfg.stages.data
+    if pipeline_cfg.model.is_builtin and data.max_len > limit:
+        raise ValueError(f"stages.data.max_len ({data.max_len}) exceeds model.builtin.max_position_embeddings "
+                         f"({limit}); lower one or raise the other")
+
+
 def raw_inputs(pcfg) -> list[Path]:
     """Files whose contents are part of this stage's cache key."""
     s = pcfg.stages.data.sources

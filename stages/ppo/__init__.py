@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.errors import UserError
-from stages.ppo.config import PPOConfig  # noqa: F401  (the stage's config, imported by pipeline.config)
+from stages.ppo.config import PPOConfig, check, wire  # noqa: F401  (the stage's config and hooks, for the registry)
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext

@@ -422,3 +422,29 @@ class PPOConfig(Section):
         roles += [self.reward] if self.rewards.model_weight else []
         roles += [self.distill.role] if self.distill else []
         return sum(r.num_ranks * r.cpus_per_rank for r in roles) + self.rollout.num_engines * self.rollout.cpus_per_engine
+
+
+def check(pipeline_cfg) -> None:
+    """The stage's `check` hook: a reward model to score with, and room on a local Ray for the roles and engines."""
+    ppo, reward = pipeline_cfg.stages.ppo, pipeline_cfg.stages.reward
+    if ppo is None:
+        return
+    if reward is None and ppo.rewards.model_weight:
+        raise ValueError(f"stages.ppo.rewards.model_weight is {ppo.rewards.model_weight:g} but stages.reward is "
+                         "null: there is no reward model to score with; set stages.ppo.rewards.model_weight: 0 "
+                         "(the rule reward alone) or configure stages.reward")
+    have = pipeline_cfg.ray.local_cpus()
+    if have is not None and ppo.cpus_needed() > have:
+        raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
+                         f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
+                         "fewer engines or ranks, or raise ray.num_cpus")
+
+
+def wire(spec, pipeline_cfg, stages: tuple) -> tuple:
+    """The stage's `wire` hook: RL starts from the SFT model, or the base model without an sft stage; without a
+    reward stage there is no reward model (the critic starts from the policy's own start)."""
+    from dataclasses import replace
+
+    start = "sft_model" if pipeline_cfg.stages.sft is not None else "base_model"
+    reward = ("reward_model",) if pipeline_cfg.stages.reward is not None else ()
+    return (*stages, replace(spec, inputs=(start, *reward, "prompt_data")))

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
-from stages.common.serving import EngineConfig
+from stages.common.serving import EngineConfig, check_source
 from stages.serve.guard import LimitsConfig
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
@@ -136,6 +137,37 @@ class ServeConfig(Section):
     def cpus_needed(self) -> int:
         """Logical CPUs of the app: per replica its actor and its engine bundle, plus the ingress."""
         return 2 * self.replicas + 1
+
+
+def check(pipeline_cfg) -> None:
+    """The stage's `check` hook: its source defaults to the last model the pipeline trains and must be one it
+    makes; a local Ray must have room for the replicas."""
+    stages = pipeline_cfg.stages
+    serve = stages.serve
+    if serve is None:
+        return
+    if serve.source is None:  # sections are frozen once validated
+        last = "policy_model" if stages.ppo else "dpo_model" if stages.dpo else "sft_model" if stages.sft else "base_model"
+        serve = serve.model_copy(update={"source": last})
+        object.__setattr__(stages, "serve", serve)
+    check_source("stages.serve.source", serve.source, stages)
+    have = pipeline_cfg.ray.local_cpus()
+    if have is not None and serve.deploy and serve.cpus_needed() > have:
+        raise ValueError(f"stages.serve.replicas: {serve.replicas} replica(s) need {serve.cpus_needed()} logical "
+                         f"CPUs (2 each + the ingress) but the local Ray has {have} (ray.num_cpus); use fewer "
+                         "replicas or raise ray.num_cpus")
+
+
+def wire(spec, pipeline_cfg, stages: tuple) -> tuple:
+    """The stage's `wire` hook: it reads its source model."""
+    return (*stages, replace(spec, inputs=(pipeline_cfg.stages.serve.source,)))
+
+
+def settings(pipeline_cfg) -> ServeConfig:
+    """The serve section the `serve` and `batch-infer` commands read (registry name, engine, endpoint): a
+    pipeline without a serve stage (`stages.serve: null`) may still serve a model by hand, with the
+    section's defaults."""
+    return pipeline_cfg.stages.serve if pipeline_cfg.stages.serve is not None else ServeConfig()
 
 
 def always_runs(cfg: ServeConfig) -> str | None:
