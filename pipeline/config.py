@@ -22,8 +22,8 @@ from pipeline.errors import ConfigError
 # The section-generic helpers live in pipeline.schema; re-exported here for callers of the pipeline config.
 from pipeline.schema import (Section, apply_override, flatten, format_validation_error, get_path,  # noqa: F401
                              leaf_problem, subsection, to_plain, with_values)
-from pipeline.registry import SECTIONS, STAGES, SectionSpec, StageSpec
-from pipeline.stage import import_path, load as load_stage
+from pipeline.registry import SECTIONS, STAGES, SectionSpec, StageSpec, import_path
+from pipeline.registry import load as load_stage
 from pipeline.storage import StorageConfig
 from pipeline.tracking import redact, split_credentials, take_credentials
 

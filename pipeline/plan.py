@@ -19,7 +19,7 @@ from pipeline import artifacts, storage
 from pipeline.config import PipelineConfig, flatten, get_path, to_plain, with_values
 from pipeline.errors import UserError
 from pipeline.registry import STAGES, StageSpec, stages_for
-from pipeline.stage import load as load_stage
+from pipeline.registry import load as load_stage
 from pipeline.tracking import redact
 
 FORCED = "forced (--force)"  # the reason of a stage the user forced: it reruns from scratch

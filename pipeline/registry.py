@@ -1,4 +1,10 @@
-"""The stage registry: plain data. Which stages exist, what they read and what they produce.
+"""The stage registry: plain data. Which stages exist, what they read and what they produce; and `load`, which
+imports a stage module by the name given here, with its optional hooks (`pipeline.stage` documents them).
+
+The framework names no stage: `PipelineConfig` is composed from `STAGES` and `SECTIONS` (`pipeline.config
+.compose`), a stage's rules about the rest of the config and its place in a pipeline are its own hooks
+(`check`, `wire`), and the CLI takes the commands stages provide from `COMMANDS`. Adding a stage is one module
+and one line here (docs/architecture.md, "Adding a stage").
 
 Stages meet only through the artifacts named here. The runner orders stages by these
 inputs/outputs, and a stage's cache key covers exactly the config sections listed in `config`
@@ -8,8 +14,11 @@ another config section must list it in `reads`, or changes to it would not inval
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,6 @@ def stages_for(cfg: Any, registry: tuple[StageSpec, ...] | None = None) -> tuple
     placed before it (a sweep's target with `use_tuned` consumes the sweep's `best_config`). `registry`: the
     stages the config was composed from (default: its class's, `pipeline.config.compose`)."""
     from pipeline.schema import get_path
-    from pipeline.stage import load
 
     stages: tuple[StageSpec, ...] = ()
     for spec in registry or getattr(type(cfg), "registry", STAGES):
@@ -165,3 +173,74 @@ def stages_for(cfg: Any, registry: tuple[StageSpec, ...] | None = None) -> tuple
             continue
         stages = load(spec.module).wire(spec, cfg, stages)
     return stages
+
+
+# --------------------------------------------------------------------------- loading a stage and its hooks
+
+
+def _no_raw_inputs(pipeline_cfg: Any) -> list[Path]:
+    """Default `raw_inputs`: the stage reads no files from outside the run directory."""
+    return []
+
+
+def _cached_normally(cfg: Any) -> str | None:
+    """Default `always_runs`: None, i.e. a finished artifact under the stage's key is reused."""
+    return None
+
+
+def _no_configured_code(cfg: Any) -> list[str]:
+    """Default `configured_code`: the stage imports no module named by its config."""
+    return []
+
+
+def _nothing_to_check(pipeline_cfg: Any) -> None:
+    """Default `check`: the stage's section needs nothing of the others."""
+
+
+def _as_registered(spec: Any, pipeline_cfg: Any, stages: tuple) -> tuple:
+    """Default `wire`: the stage takes the inputs the registry lists."""
+    return (*stages, spec)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A loaded stage module with both optional hooks filled in (this is the one place that looks them up).
+
+    - `raw_inputs(pipeline_cfg)`: files outside the run directory the stage reads (user data, a
+      local checkpoint); their fingerprints are part of its cache key, so editing one reruns it.
+    - `always_runs(cfg)`: a reason to run even on a cache hit (e.g. serve with `block: true`, whose
+      point is the running server), or None.
+    - `configured_code(cfg)`: modules the stage imports at run time by a name in its config (a
+      custom reward function); their code is part of its cache key like the stage's own.
+    - `check(pipeline_cfg)`: the rules its section must keep with the rest of the config (a reward model
+      to score with, enough CPUs on a local Ray), run when any config loads, whether the stage is
+      configured or not; a ValueError naming the key and the fix becomes the config error.
+    - `wire(spec, pipeline_cfg, stages)`: the pipeline's stages so far (registry order) with this one
+      added as this pipeline needs it (its inputs given which stages are present); it may rewire one
+      placed before it.
+    """
+
+    module: ModuleType
+    run: Callable[[Any, StageContext], dict[str, Path]]
+    raw_inputs: Callable[[Any], list[Path]]
+    always_runs: Callable[[Any], str | None]
+    configured_code: Callable[[Any], list[str]]
+    check: Callable[[Any], None]
+    wire: Callable[[Any, Any, tuple], tuple]
+
+
+def load(module_name: str) -> Stage:
+    """The stage module `module_name` (e.g. 'stages.sft') as a `Stage`; a module without `run` is an error."""
+    module = importlib.import_module(module_name)
+    if not callable(getattr(module, "run", None)):
+        raise TypeError(f"stage module {module_name} has no run(cfg, ctx) function")
+    return Stage(module, module.run, getattr(module, "raw_inputs", _no_raw_inputs),
+                 getattr(module, "always_runs", _cached_normally),
+                 getattr(module, "configured_code", _no_configured_code),
+                 getattr(module, "check", _nothing_to_check), getattr(module, "wire", _as_registered))
+
+
+def import_path(path: str) -> Any:
+    """The object a "module:name" path names (a stage's config class in the registry)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

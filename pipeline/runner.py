@@ -28,7 +28,7 @@ from pipeline.config import PipelineConfig, flatten, get_path
 from pipeline.errors import LockError, UserError
 from pipeline.plan import FORCED, PlannedStage, Planner, build_plan, selection
 from pipeline.registry import StageSpec
-from pipeline.stage import load as load_stage
+from pipeline.registry import load as load_stage
 
 def check_run_dir(run_dir: Path, min_free_gb: float) -> None:
     """Fail before any work when the run directory cannot be written or its disk is (nearly) full.

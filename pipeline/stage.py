@@ -1,7 +1,7 @@
 """The stage interface: what a stage module provides, and what it may use of the pipeline.
 
 A stage is a module (`stages/<name>.py`, or a package such as `stages/ppo/`) that the registry
-(`pipeline/registry.py`) names. It provides
+(`pipeline/registry.py`, which also loads it: `registry.load`) names. It provides
 
     run(cfg: <its config section>, ctx: StageContext) -> dict[str, Path]    # required
     raw_inputs(pipeline_cfg: PipelineConfig) -> list[Path]                    # optional hook
@@ -22,11 +22,8 @@ reports to Tune). A stage cannot tell them apart, which is why a sweep runs the 
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -84,71 +81,3 @@ class StageContext(Protocol):
 
     def train_callbacks(self) -> list:
         """Extra Ray Train callbacks for the stage's TorchTrainer (a trial adds Tune's reporter)."""
-
-
-def _no_raw_inputs(pipeline_cfg: Any) -> list[Path]:
-    """Default `raw_inputs`: the stage reads no files from outside the run directory."""
-    return []
-
-
-def _cached_normally(cfg: Any) -> str | None:
-    """Default `always_runs`: None, i.e. a finished artifact under the stage's key is reused."""
-    return None
-
-
-def _no_configured_code(cfg: Any) -> list[str]:
-    """Default `configured_code`: the stage imports no module named by its config."""
-    return []
-
-
-def _nothing_to_check(pipeline_cfg: Any) -> None:
-    """Default `check`: the stage's section needs nothing of the others."""
-
-
-def _as_registered(spec: Any, pipeline_cfg: Any, stages: tuple) -> tuple:
-    """Default `wire`: the stage takes the inputs the registry lists."""
-    return (*stages, spec)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """A loaded stage module with both optional hooks filled in (this is the one place that looks them up).
-
-    - `raw_inputs(pipeline_cfg)`: files outside the run directory the stage reads (user data, a
-      local checkpoint); their fingerprints are part of its cache key, so editing one reruns it.
-    - `always_runs(cfg)`: a reason to run even on a cache hit (e.g. serve with `block: true`, whose
-      point is the running server), or None.
-    - `configured_code(cfg)`: modules the stage imports at run time by a name in its config (a
-      custom reward function); their code is part of its cache key like the stage's own.
-    - `check(pipeline_cfg)`: the rules its section must keep with the rest of the config (a reward model
-      to score with, enough CPUs on a local Ray), run when any config loads, whether the stage is
-      configured or not; a ValueError naming the key and the fix becomes the config error.
-    - `wire(spec, pipeline_cfg, stages)`: the pipeline's stages so far (registry order) with this one
-      added as this pipeline needs it (its inputs given which stages are present); it may rewire one
-      placed before it.
-    """
-
-    module: ModuleType
-    run: Callable[[Any, StageContext], dict[str, Path]]
-    raw_inputs: Callable[[Any], list[Path]]
-    always_runs: Callable[[Any], str | None]
-    configured_code: Callable[[Any], list[str]]
-    check: Callable[[Any], None]
-    wire: Callable[[Any, Any, tuple], tuple]
-
-
-def load(module_name: str) -> Stage:
-    """The stage module `module_name` (e.g. 'stages.sft') as a `Stage`; a module without `run` is an error."""
-    module = importlib.import_module(module_name)
-    if not callable(getattr(module, "run", None)):
-        raise TypeError(f"stage module {module_name} has no run(cfg, ctx) function")
-    return Stage(module, module.run, getattr(module, "raw_inputs", _no_raw_inputs),
-                 getattr(module, "always_runs", _cached_normally),
-                 getattr(module, "configured_code", _no_configured_code),
-                 getattr(module, "check", _nothing_to_check), getattr(module, "wire", _as_registered))
-
-
-def import_path(path: str) -> Any:
-    """The object a "module:name" path names (a stage's config class in the registry)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)

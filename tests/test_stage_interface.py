@@ -9,7 +9,8 @@ import re
 import pytest
 
 from conftest import ROOT
-from pipeline.stage import StageContext, load
+from pipeline.registry import load
+from pipeline.stage import StageContext
 
 
 def _members(cls) -> set[str]:
