@@ -31,7 +31,6 @@ Run alone: `python -m pipeline run configs/recipes/dpo.yaml --only dpo` (after `
 from __future__ import annotations
 
 import json
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -41,6 +40,7 @@ from pydantic import Field, model_validator
 
 from pipeline import events
 from pipeline.errors import UserError
+from stages.common import train_loop
 from stages.common.deepspeed import TrainingConfig, needs_sft, without_sft
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
@@ -287,7 +287,7 @@ def averages(sums: dict[str, float]) -> dict[str, float]:
     return out
 
 
-# --------------------------------------------------------------------------- worker loop
+# --------------------------------------------------------------------------- what the Train loop computes
 
 
 class Reference:
@@ -374,113 +374,56 @@ def _gather_reference(reference: Reference, rank: int, world: int) -> list | Non
     return parts
 
 
-def train_loop(c: dict) -> None:
-    """One Ray Train worker: DeepSpeed engine, resume, reference, train, eval, checkpoint."""
-    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
-    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
-    from stages.common import startup
+class Objective(train_loop.Objective):
+    """The configured preference loss against the reference; logged per step: its parts averaged over every
+    rank's rows, the learning rate and the seconds of each phase (the reference's among them); evaluated: the
+    same on the held-out pairs."""
 
-    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
-    import torch
+    config = DPOConfig
+    phases = True
 
-    from stages.common import lora, models, training
+    def collate(self, cfg, c: dict, split: str):
+        return partial(collate, pad_id=c["pad_id"], kto=cfg.loss == "kto")
 
-    rank, world = training.worker_rank()
-    training.set_threads(world)
-    cfg = DPOConfig.model_validate(c["cfg"])
-    torch.manual_seed(c["seed"])
-    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    startup.import_deepspeed()  # lean: without the optional imports no rank uses
-    clock.mark("imports")
-    init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
-    model = models.load_model(init, "causal")
-    if cfg.deepspeed.activation_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.lora:
-        model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
-    clock.mark("model")
-    engine = training.init_engine(model, c["ds_config"])
-    clock.mark("deepspeed")
-    state = training.restore(engine)
-    clock.mark("restore")
-    total, pad_id = c["total_steps"], c["pad_id"]
-    collate_fn = partial(collate, pad_id=pad_id, kto=cfg.loss == "kto")
-    trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
-    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, collate_fn, rank, world)
-    reference = Reference(cfg.reference_kind(), engine, init)
-    clock.mark("reference")  # a frozen copy loaded (none for the other kinds)
-    if reference.kind == "precomputed":
-        if state.get("reference"):
-            reference.load(state["reference"][rank])
-        else:  # its time is a metric: the cost of holding one model instead of two
-            t0 = time.time()
-            reference.precompute({"train": trains, "eval": evals}, log.print)
-            log.log({"reference_precompute_s": time.time() - t0}, 0)
-        clock.mark("reference_precompute", counted=False)  # the steps' reference passes, done up front
-    saved_reference = _gather_reference(reference, rank, world)
-    if state["step"] == 0:
-        first = _evaluate(engine, evals, reference, cfg)
-        log.log(first, 0)
-        log.step(0, total, first)
-        clock.mark("evaluation", counted=False)
-    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
-    fault_armed = fault_at > state["step"]
-    metrics: dict = {}
-    for epoch in range(state["epoch"], cfg.epochs):
-        skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
-        busy, micro, sums, phases = 0.0, 0, {}, {}
-        for batch in trains:
-            micro += 1
-            if micro <= skip:
-                continue
-            if engine.global_steps >= total:
-                break
-            training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
-            t0 = time.time()
-            ref = reference(batch, "train", micro - 1)
-            t1 = time.time()
-            policy, lengths = logps(engine, batch)
-            loss, parts = batch_loss(cfg, policy, lengths, ref, batch)
-            t2 = time.time()
-            engine.backward(loss)  # ZeRO's gradient reduction between ranks happens in here
-            t3 = time.time()
-            before = engine.global_steps
-            engine.step()
-            t4 = time.time()
-            for phase, seconds in (("reference", t1 - t0), ("forward", t2 - t1), ("backward", t3 - t2),
-                                   ("optimizer", t4 - t3)):
-                phases[phase] = phases.get(phase, 0.0) + seconds
-            busy += t4 - t0
-            rows = parts["chosen_reward"].shape[0]
-            for k, v in (batch_metrics(parts) | {"loss": loss.item() * rows, "rows": float(rows)}).items():
-                sums[k] = sums.get(k, 0.0) + v
-            if engine.global_steps == before:  # still accumulating
-                continue
-            step = engine.global_steps
-            totals = dict(zip(sums, training.all_reduce_sum(list(sums.values()))))
-            metrics = {f"train_{k}": v for k, v in averages(totals).items()} | {"lr": engine.get_lr()[0],
-                                                                                   "step_time_s": busy}
-            metrics |= {f"{phase}_s": seconds for phase, seconds in phases.items()}  # rank 0's time in each phase
-            busy, sums, phases = 0.0, {}, {}
-            if step % cfg.eval_every == 0 or step == total:
-                metrics.update(_evaluate(engine, evals, reference, cfg))
-            log.log(metrics, step)
-            log.step(step, total, metrics)
-            state = {"step": step, "epoch": epoch, "micro_in_epoch": micro, "reference": saved_reference}
-            if step == total:
-                metrics.update(training.peak_memory(rank, world))
-            if step % cfg.checkpoint_every == 0 or step == total:
-                training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
-                if fault_armed and step >= fault_at:
-                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
-            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
-        state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0, "reference": saved_reference}
-        if engine.global_steps >= total:
-            break
-    if not metrics:  # resumed after the last step: report the final state again so the run ends on it
-        training.report(engine, state, {"step": engine.global_steps, **training.peak_memory(rank, world)}, rank,
-                        with_checkpoint=True)
+    def prepare(self, engine, cfg, c: dict, init: Path, splits: dict, state: dict, log, clock, rank: int,
+                world: int) -> None:
+        self.reference, self.sums = Reference(cfg.reference_kind(), engine, init), {}
+        clock.mark("reference")  # a frozen copy loaded (none for the other kinds)
+        if self.reference.kind == "precomputed":
+            if state.get("reference"):
+                self.reference.load(state["reference"][rank])
+            else:  # its time is a metric: the cost of holding one model instead of two
+                t0 = time.time()
+                self.reference.precompute(splits, log.print)
+                log.log({"reference_precompute_s": time.time() - t0}, 0)
+            clock.mark("reference_precompute", counted=False)  # the steps' reference passes, done up front
+        self.saved = _gather_reference(self.reference, rank, world)
+
+    def loss(self, engine, batch: dict, micro: int, phases: dict):
+        t0 = time.time()
+        ref = self.reference(batch, "train", micro - 1)
+        t1 = time.time()
+        policy, lengths = logps(engine, batch)
+        loss, parts = batch_loss(self.cfg, policy, lengths, ref, batch)
+        phases["reference"] = phases.get("reference", 0.0) + t1 - t0
+        phases["forward"] = phases.get("forward", 0.0) + time.time() - t1
+        rows = parts["chosen_reward"].shape[0]
+        for k, v in (batch_metrics(parts) | {"loss": loss.item() * rows, "rows": float(rows)}).items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        return loss
+
+    def step_metrics(self, engine, busy: float, world: int) -> dict:
+        from stages.common.training import all_reduce_sum
+
+        totals = dict(zip(self.sums, all_reduce_sum(list(self.sums.values()))))
+        self.sums = {}
+        return {f"train_{k}": v for k, v in averages(totals).items()} | {"lr": engine.get_lr()[0], "step_time_s": busy}
+
+    def evaluate(self, engine, batches) -> dict:
+        return _evaluate(engine, batches, self.reference, self.cfg)
+
+    def state(self) -> dict:
+        return {"reference": self.saved}
 
 
 # --------------------------------------------------------------------------- the stage: held-out task accuracy
@@ -514,10 +457,10 @@ wire = without_sft  # without an sft stage, it starts from the base model
 
 def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out task accuracy before and after."""
-    from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
+    from stages.common.deepspeed import total_steps
     from stages.common.lora import describe
     from stages.common.parquet import read_rows
-    from stages.common.training import export, fit, tokenizer_and_ray
+    from stages.common.training import export
 
     clock = events.StartupClock()
     data = ctx.inputs["preference_data"]
@@ -532,24 +475,11 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     if steps < 1:
         raise UserError(f"stages.dpo: {n_pairs} training pairs make no full optimizer step with batch_size "
                         f"{cfg.batch_size}; lower stages.dpo.batch_size or give more preference pairs")
-    gpu = use_gpu()
-    bf16 = use_bf16(cfg.deepspeed, gpu)
-    ds_config = deepspeed_config(cfg, steps, bf16)
-    ctx.log_dict(ds_config, "deepspeed_config.json")
-    clock.mark("driver")
-    tok = tokenizer_and_ray(init, ctx)
-    clock.mark("ray")  # the tokenizer loaded meanwhile
-    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     reference = cfg.reference_kind() or "none (reference-free)"
-    ctx.progress(f"{cfg.loss} on {n_pairs} pairs: {steps} steps on {cfg.num_workers} workers (ZeRO-"
-                 f"{cfg.deepspeed.zero_stage}, {'bf16' if bf16 else 'fp32'}, beta {cfg.beta:g}, reference "
-                 f"{reference}, init from {cfg.init_from}{describe(cfg.lora)})")
-    result = fit(train_loop, {
-        "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
-        "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name, "startup": clock,
-    }, cfg, {"train": data / "train", "eval": data / "eval"},
-        ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
+    result, tok = train_loop.train(
+        Objective(), cfg, ctx, init, data, steps, lambda precision: f"{cfg.loss} on {n_pairs} pairs: {steps} steps on "
+        f"{cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, beta {cfg.beta:g}, reference "
+        f"{reference}, init from {cfg.init_from}{describe(cfg.lora)})", clock)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "causal")  # a LoRA adapter is merged into `init` here
     ctx.progress(f"held-out implicit-reward accuracy {metrics.get('eval_reward_accuracy', float('nan')):.3f}, "

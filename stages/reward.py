@@ -32,8 +32,6 @@ Run alone: `python -m pipeline run configs/full.yaml --only reward` (after `sft`
 from __future__ import annotations
 
 import json
-import os
-import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -42,6 +40,7 @@ from pydantic import Field, model_validator
 
 from pipeline import events
 from pipeline.errors import UserError
+from stages.common import train_loop
 from stages.common.deepspeed import TrainingConfig, needs_sft, without_sft
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
@@ -190,7 +189,7 @@ def capture_score_input(model) -> dict:
     return captured
 
 
-# --------------------------------------------------------------------------- worker loop
+# --------------------------------------------------------------------------- what the Train loop computes
 
 
 def _evaluate(engine, batches) -> dict[str, float]:
@@ -219,101 +218,51 @@ def _evaluate(engine, batches) -> dict[str, float]:
     return out | ({"eval_accuracy_gold": gold_correct / gold_n} if gold_n else {})
 
 
-def train_loop(c: dict) -> None:
-    """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
-    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
-    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
-    from stages.common import startup
+class Objective(train_loop.Objective):
+    """Bradley-Terry on the pairs (each score head on its bootstrap weights), plus the LM loss on the chosen
+    answers when `lm_loss_weight` > 0; logged per step: the loss, pairwise accuracy, the LM loss, the learning
+    rate; evaluated: pairwise accuracy, margin and loss (and against the gold labels)."""
 
-    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
-    import torch
+    config = RewardConfig
+    kind = "sequence"
 
-    from stages.common import lora, models, training
+    def model_args(self, cfg, c: dict) -> tuple:
+        return c["pad_id"], cfg.heads
 
-    rank, world = training.worker_rank()
-    training.set_threads(world)
-    cfg = RewardConfig.model_validate(c["cfg"])
-    torch.manual_seed(c["seed"])
-    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    startup.import_deepspeed()  # lean: without the optional imports no rank uses
-    clock.mark("imports")
-    init = c["storage"].localize(c["init"])  # a node without a shared run_dir pulls it from the object store
-    model = models.load_model(init, "sequence", c["pad_id"], cfg.heads)
-    if cfg.deepspeed.activation_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.lora:  # an adapter on the backbone; the score head trains in full
-        model = lora.wrap(model, cfg.lora, "sequence", cfg.deepspeed.activation_checkpointing)
-    head, captured = None, {}
-    if cfg.lm_loss_weight > 0:  # after wrapping: LoRA replaces the score head by the copy it trains
-        head, captured = lm_head_for(lora.base_of(model), init), capture_score_input(lora.base_of(model))
-    clock.mark("model")
-    engine = training.init_engine(model, c["ds_config"])
-    clock.mark("deepspeed")
-    state = training.restore(engine)
-    clock.mark("restore")
-    total, pad_id = c["total_steps"], c["pad_id"]
-    # This rank's batches of each split, read once and replayed (the same batches at every pass).
-    collate_fn = partial(collate, pad_id=pad_id)
-    trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
-    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size,
-                                 partial(collate_eval, pad_id=pad_id, gold_spec=c.get("gold")), rank, world)
-    if state["step"] == 0:
-        first = _evaluate(engine, evals)
-        log.log(first, 0)
-        log.step(0, total, first)
-        clock.mark("evaluation", counted=False)
-    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))
-    fault_armed = fault_at > state["step"]
-    metrics: dict = {}
-    for epoch in range(state["epoch"], cfg.epochs):
-        skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
-        busy, micro = 0.0, 0
-        for batch in trains:
-            micro += 1
-            if micro <= skip:
-                continue
-            if engine.global_steps >= total:
-                break
-            training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
-            t0 = time.time()
-            rc, rr = _rewards(engine, batch)
-            weights = torch.tensor(bootstrap_weights(batch["pair_key"], cfg.heads, c["seed"]), dtype=rc.dtype,
-                                   device=rc.device)
-            loss = bt = bradley_terry_loss(rc, rr, weights)
-            if head is not None:
-                lm = lm_loss(captured.pop("hidden"), head, batch["input_ids"], batch["lm_mask"])
-                loss = bt + cfg.lm_loss_weight * lm
-            engine.backward(loss)
-            before = engine.global_steps
-            engine.step()
-            busy += time.time() - t0
-            if engine.global_steps == before:
-                continue
-            step = engine.global_steps
-            metrics = {"train_loss": bt.item(), "train_accuracy": float((rc.mean(-1) > rr.mean(-1)).float().mean()),
-                       "lr": engine.get_lr()[0], "step_time_s": busy}
-            if head is not None:
-                metrics["train_lm_loss"] = lm.item()
-            busy = 0.0
-            if step % cfg.eval_every == 0 or step == total:
-                metrics.update(_evaluate(engine, evals))
-            log.log(metrics, step)
-            log.step(step, total, metrics)  # every step goes to MLflow; the console shows progress
-            state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
-            if step == total:
-                metrics.update(training.peak_memory(rank, world))
-            if step % cfg.checkpoint_every == 0 or step == total:
-                training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
-                if fault_armed and step >= fault_at:
-                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
-            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
-        state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0}
-        if engine.global_steps >= total:
-            break
-    if not metrics:  # resumed after the last step: report the final state again so the run ends on it
-        training.report(engine, state, {"step": engine.global_steps, **training.peak_memory(rank, world)}, rank,
-                        with_checkpoint=True)
+    def model(self, cfg, c: dict, init: Path):
+        from stages.common import lora
+
+        model = super().model(cfg, c, init)  # with LoRA an adapter on the backbone; the score head trains in full
+        self.head, self.captured = None, {}
+        if cfg.lm_loss_weight > 0:  # after wrapping: LoRA replaces the score head by the copy it trains
+            self.head, self.captured = lm_head_for(lora.base_of(model), init), capture_score_input(lora.base_of(model))
+        return model
+
+    def collate(self, cfg, c: dict, split: str):
+        if split == "eval":
+            return partial(collate_eval, pad_id=c["pad_id"], gold_spec=c.get("gold"))
+        return partial(collate, pad_id=c["pad_id"])
+
+    def loss(self, engine, batch: dict, micro: int, phases: dict):
+        import torch
+
+        rc, rr = _rewards(engine, batch)
+        weights = torch.tensor(bootstrap_weights(batch["pair_key"], self.cfg.heads, self.c["seed"]), dtype=rc.dtype,
+                               device=rc.device)
+        loss = self.bt = bradley_terry_loss(rc, rr, weights)
+        self.accuracy = float((rc.mean(-1) > rr.mean(-1)).float().mean())
+        if self.head is not None:
+            self.lm = lm_loss(self.captured.pop("hidden"), self.head, batch["input_ids"], batch["lm_mask"])
+            loss = self.bt + self.cfg.lm_loss_weight * self.lm
+        return loss
+
+    def step_metrics(self, engine, busy: float, world: int) -> dict:
+        metrics = {"train_loss": self.bt.item(), "train_accuracy": self.accuracy, "lr": engine.get_lr()[0],
+                   "step_time_s": busy}
+        return metrics | ({"train_lm_loss": self.lm.item()} if self.head is not None else {})
+
+    def evaluate(self, engine, batches) -> dict:
+        return _evaluate(engine, batches)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -329,9 +278,9 @@ wire = without_sft  # without an sft stage, it starts from the base model
 
 def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer and export the HF sequence-classification model."""
-    from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
-    from stages.common.training import export, fit, tokenizer_and_ray
+    from stages.common.deepspeed import total_steps
     from stages.common.lora import describe
+    from stages.common.training import export
 
     clock = events.StartupClock()
     data = ctx.inputs["preference_data"]
@@ -346,23 +295,11 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     if steps < 1:
         raise UserError(f"stages.reward: {n_pairs} training pairs make no full optimizer step with batch_size "
                         f"{cfg.batch_size}; lower stages.reward.batch_size or generate more pairs")
-    gpu = use_gpu()
-    bf16 = use_bf16(cfg.deepspeed, gpu)
-    ds_config = deepspeed_config(cfg, steps, bf16)
-    ctx.log_dict(ds_config, "deepspeed_config.json")
-    clock.mark("driver")
-    tok = tokenizer_and_ray(init, ctx)
-    clock.mark("ray")  # the tokenizer loaded meanwhile
-    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
     heads = f", {cfg.heads} score heads on bootstrap resamples" if cfg.heads > 1 else ""
-    ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
-                 f"{'bf16' if bf16 else 'fp32'}, {n_pairs} pairs, init from {cfg.init_from}{describe(cfg.lora)}{heads})")
-    result = fit(train_loop, {
-        "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init), "ds_config": ds_config,
-        "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name, "startup": clock, "gold": ctx.pipeline.task.preference.gold,
-    }, cfg, {"train": data / "train", "eval": data / "eval"},
-        ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
+    result, tok = train_loop.train(
+        Objective(), cfg, ctx, init, data, steps, lambda precision: f"training {steps} steps on {cfg.num_workers} "
+        f"workers (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_pairs} pairs, init from {cfg.init_from}"
+        f"{describe(cfg.lora)}{heads})", clock, gold=ctx.pipeline.task.preference.gold)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "sequence", cfg.heads)  # a LoRA adapter is merged into `init` here
     gold = f", against the gold labels {metrics['eval_accuracy_gold']:.3f}" if "eval_accuracy_gold" in metrics else ""

@@ -17,8 +17,6 @@ Run alone: `python -m pipeline run configs/full.yaml --only sft` (after `data`).
 from __future__ import annotations
 
 import json
-import os
-import time
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -27,6 +25,7 @@ from pydantic import Field
 
 from pipeline import events
 from pipeline.errors import UserError
+from stages.common import train_loop
 from stages.common.deepspeed import TrainingConfig
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
@@ -89,7 +88,7 @@ def forward(model, batch: dict):
     return model(**batch)
 
 
-# --------------------------------------------------------------------------- worker loop
+# --------------------------------------------------------------------------- what the Train loop computes
 
 
 def _eval_loss(engine, batches) -> float:
@@ -110,93 +109,29 @@ def _eval_loss(engine, batches) -> float:
     return total / max(count, 1.0)
 
 
-def train_loop(c: dict) -> None:
-    """One Ray Train worker: DeepSpeed engine, resume, train, eval, checkpoint."""
-    clock = c["startup"]  # events.StartupClock, started with the stage on the driver
-    clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
-    from stages.common import startup
+class Objective(train_loop.Objective):
+    """The language-model loss on assistant tokens; logged per step: the loss, the learning rate and tokens/s
+    over all ranks; evaluated: the token-weighted held-out loss."""
 
-    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
-    import torch
+    config = SFTConfig
 
-    from stages.common import lora, models, training
+    def collate(self, cfg, c: dict, split: str):
+        return partial(collate, pad_id=c["pad_id"])
 
-    rank, world = training.worker_rank()
-    training.set_threads(world)
-    cfg = SFTConfig.model_validate(c["cfg"])
-    torch.manual_seed(c["seed"])
-    log = events.RankZeroLogger(c["tracking_uri"], c["run_id"], rank, c["name"])
-    startup.import_deepspeed()  # lean: without the optional imports no rank uses
-    clock.mark("imports")
-    base = c["storage"].localize(c["base"])  # a node without a shared run_dir pulls it from the object store
-    model = models.load_model(base, "causal")
-    if cfg.deepspeed.activation_checkpointing:
-        model.gradient_checkpointing_enable()
-    if cfg.lora:
-        model = lora.wrap(model, cfg.lora, "causal", cfg.deepspeed.activation_checkpointing)
-    clock.mark("model")
-    engine = training.init_engine(model, c["ds_config"])
-    clock.mark("deepspeed")
-    state = training.restore(engine)
-    clock.mark("restore")
-    log.print(f"DeepSpeed engine ready in {clock.parts['deepspeed']:.1f}s (resuming at step {state['step']})")
-    total, pad_id = c["total_steps"], c["pad_id"]
-    # This rank's batches of each split, read once and replayed (the same batches at every pass).
-    collate_fn = partial(collate, pad_id=pad_id)
-    trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size, collate_fn, rank, world)
-    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, collate_fn, rank, world)
-    if state["step"] == 0:
-        loss0 = _eval_loss(engine, evals)
-        log.log({"eval_loss": loss0}, 0)
-        log.step(0, total, {"eval_loss": loss0})
-        clock.mark("evaluation", counted=False)
-    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))  # fault drills and resume tests
-    fault_armed = fault_at > state["step"]
-    metrics: dict = {}
-    for epoch in range(state["epoch"], cfg.epochs):
-        skip = state["micro_in_epoch"] if epoch == state["epoch"] else 0
-        busy, tokens, micro = 0.0, 0, 0
-        for batch in trains:
-            micro += 1
-            if micro <= skip:
-                continue
-            if engine.global_steps >= total:
-                break
-            training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
-            t0 = time.time()
-            loss = forward(engine, batch).loss
-            engine.backward(loss)
-            before = engine.global_steps
-            engine.step()
-            busy, tokens = busy + time.time() - t0, tokens + int(batch["attention_mask"].sum())
-            if engine.global_steps == before:  # still accumulating
-                continue
-            step = engine.global_steps
-            n_tokens, n_busy = training.all_reduce_sum([tokens, busy])
-            metrics = {"train_loss": loss.item(), "lr": engine.get_lr()[0], "tokens_per_s": n_tokens / (n_busy / world)}
-            busy, tokens = 0.0, 0
-            if step % cfg.eval_every == 0 or step == total:
-                metrics["eval_loss"] = _eval_loss(engine, evals)
-            log.log(metrics, step)
-            log.step(step, total, metrics)  # every step goes to MLflow; the console shows progress
-            state = {"step": step, "epoch": epoch, "micro_in_epoch": micro}
-            if step == total:
-                metrics.update(training.peak_memory(rank, world))
-            if step % cfg.checkpoint_every == 0 or step == total:
-                training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
-                if fault_armed and step >= fault_at:
-                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
-            elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
-                training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
-        state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0}
-        if engine.global_steps >= total:
-            break
-    if not metrics:  # resumed after the last step: report the final state again so the run ends on it
-        training.report(engine, state, {"step": engine.global_steps, **training.peak_memory(rank, world)}, rank,
-                        with_checkpoint=True)
+    def loss(self, engine, batch: dict, micro: int, phases: dict):
+        self.last = forward(engine, batch).loss
+        self.tokens = getattr(self, "tokens", 0) + int(batch["attention_mask"].sum())
+        return self.last
 
+    def step_metrics(self, engine, busy: float, world: int) -> dict:
+        from stages.common.training import all_reduce_sum
 
-# --------------------------------------------------------------------------- the stage
+        n_tokens, n_busy = all_reduce_sum([self.tokens, busy])
+        self.tokens = 0
+        return {"train_loss": self.last.item(), "lr": engine.get_lr()[0], "tokens_per_s": n_tokens / (n_busy / world)}
+
+    def evaluate(self, engine, batches) -> dict:
+        return {"eval_loss": _eval_loss(engine, batches)}
 
 
 def accuracy_warning(base: float, after: float, n: int, lr: float) -> str | None:
@@ -220,11 +155,11 @@ def engine_greedy(model_dirs: list[Path], prompt_ids: list[list[int]], max_new_t
 
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     """Train with TorchTrainer, export the HF model, score held-out accuracy before and after."""
-    from stages.common.deepspeed import deepspeed_config, total_steps, use_bf16, use_gpu
+    from stages.common.deepspeed import total_steps
     from stages.common.lora import describe
     from stages.common.models import greedy_accuracy, verified_share
     from stages.common.parquet import read_rows
-    from stages.common.training import export, fit, tokenizer_and_ray
+    from stages.common.training import export
 
     clock = events.StartupClock()
     data, base = ctx.inputs["sft_data"], ctx.inputs["base_model"]
@@ -233,22 +168,9 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     if steps < 1:
         raise UserError(f"stages.sft: {n_train} training rows make no full optimizer step with batch_size "
                         f"{cfg.batch_size}; lower stages.sft.batch_size or generate more data")
-    gpu = use_gpu()
-    bf16 = use_bf16(cfg.deepspeed, gpu)
-    ds_config = deepspeed_config(cfg, steps, bf16)
-    ctx.log_dict(ds_config, "deepspeed_config.json")
-    clock.mark("driver")
-    tok = tokenizer_and_ray(base, ctx)
-    clock.mark("ray")  # the tokenizer loaded meanwhile
-    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
-    ctx.progress(f"training {steps} steps on {cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, "
-                 f"{'bf16' if bf16 else 'fp32'}, {n_train} rows{describe(cfg.lora)})")
-    result = fit(train_loop, {
-        "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "base": str(base), "ds_config": ds_config,
-        "total_steps": steps, "pad_id": tok.pad_token_id, "tracking_uri": ctx.pipeline.tracking_uri,
-        "run_id": ctx.run_id, "name": ctx.name, "startup": clock,
-    }, cfg, {"train": data / "train", "eval": data / "eval"},
-        ctx.checkpoint_dir, ctx.storage, gpu, ctx.train_callbacks())
+    result, tok = train_loop.train(
+        Objective(), cfg, ctx, base, data, steps, lambda precision: f"training {steps} steps on {cfg.num_workers} "
+        f"workers (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_train} rows{describe(cfg.lora)})", clock)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, base, "causal")  # a LoRA adapter is merged into the base here
     prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
