@@ -24,8 +24,36 @@ from pipeline.schema import (Section, apply_override, flatten, format_validation
                              leaf_problem, subsection, to_plain, with_values)
 from pipeline.registry import SECTIONS, STAGES, SectionSpec, StageSpec, import_path
 from pipeline.registry import load as load_stage
-from pipeline.storage import StorageConfig
 from pipeline.tracking import redact, split_credentials, take_credentials
+
+class StorageConfig(Section):
+    """Object storage for artifacts and checkpoints; empty: run_dir alone (a shared path on a cluster)."""
+
+    uri: str | None = Field(
+        None,
+        description="'s3://bucket/prefix': finished artifacts and training checkpoints are kept in the bucket and "
+        "pulled into run_dir (each machine's working copy) when missing there. Lets a multi-node cluster run "
+        "without a shared run_dir. Empty: run_dir alone.",
+    )
+    endpoint_url: str | None = Field(
+        None,
+        description="S3-compatible endpoint (MinIO, Ceph, GCS interoperability), e.g. 'http://minio:9000'. "
+        "Empty: AWS S3. Credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws.",
+    )
+    region: str | None = Field(None, description="Bucket region, e.g. 'us-east-1'. Empty: AWS_DEFAULT_REGION or "
+                               "pyarrow's default.")
+
+    @field_validator("uri")
+    @classmethod
+    def _s3(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        v = v.strip().rstrip("/")
+        if not v.startswith("s3://") or not v[5:].split("/")[0]:
+            raise ValueError(f"{v!r} is not an object-store URI; write s3://BUCKET or s3://BUCKET/PREFIX (a local or "
+                             "mounted path belongs in run_dir)")
+        return v
+
 
 class RayConfig(Section):
     """How to reach Ray. Local by default; `address` (or the RAY_ADDRESS variable) joins a cluster."""

@@ -223,7 +223,7 @@ def test_an_etag_that_is_not_an_s3_etag_is_a_storage_error(s3, tmp_path, monkeyp
 def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
     """Without an atomic exchange (some filesystems), the swap is two renames: if the second fails the
     old copy is put back, and a process killed between them has its old copy restored at lookup."""
-    from pipeline import storage
+    from pipeline import layout
     from pipeline.storage import ArtifactStore
 
     def no_exchange(a, b):
@@ -235,7 +235,7 @@ def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
     work = store.begin("sft", "k")
     (work / "model").mkdir()
     (work / "model" / "weights.bin").write_bytes(b"new")
-    monkeypatch.setattr(storage, "_exchange", no_exchange)
+    monkeypatch.setattr(layout, "_exchange", no_exchange)
     real = os.replace
 
     def second_rename_fails(src, dst):
@@ -243,10 +243,10 @@ def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(src, dst)
 
-    monkeypatch.setattr(storage.os, "replace", second_rename_fails)
+    monkeypatch.setattr(layout.os, "replace", second_rename_fails)
     with pytest.raises(OSError, match="No space left"):
         store.commit("sft", "k", {"outputs": {"model": "model"}})
-    monkeypatch.setattr(storage.os, "replace", real)
+    monkeypatch.setattr(layout.os, "replace", real)
     assert store.manifest("sft", "k") == before
     assert (store.local_dir("sft", "k") / "model" / "weights.bin").read_bytes() == b"old"
 
