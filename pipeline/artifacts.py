@@ -23,7 +23,7 @@ PROJECT_PACKAGES = ("pipeline", "stages")
 # Modules that only report (our lines, progress, metrics to MLflow, where library output goes): no
 # edit to them can change an artifact, so they are in no stage's code and no key. Without this, every
 # training stage reran after a change to a progress bar. They must stay that way (docs/architecture.md).
-REPORTING = frozenset({"pipeline.events", "pipeline.console"})
+REPORTING = frozenset({"pipeline.events", "pipeline.console", "pipeline.progress"})
 
 
 # --------------------------------------------------------------------------- hashing

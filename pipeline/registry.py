@@ -221,7 +221,7 @@ class Stage:
     """
 
     module: ModuleType
-    run: Callable[[Any, StageContext], dict[str, Path]]
+    run: Callable[[Any, Any], dict[str, Path]]  # run(cfg, ctx: pipeline.stage.StageContext)
     raw_inputs: Callable[[Any], list[Path]]
     always_runs: Callable[[Any], str | None]
     configured_code: Callable[[Any], list[str]]

@@ -32,7 +32,8 @@ def _rekeyed(tmp_path, monkeypatch, edited: str) -> list[str]:
 
 
 @pytest.mark.parametrize("edited", [
-    "pipeline/console.py",  # the output router, progress bars
+    "pipeline/console.py", "pipeline/progress.py",  # the output router, progress bars
+    "pipeline/config.py", "pipeline/registry.py",  # composing the config, naming the stages: values are keyed
     "pipeline/events.py",  # say / advance / metrics to MLflow from the workers
     "pipeline/stage.py",  # the stage interface: stages import it for annotations only
     "pipeline/runner.py", "pipeline/plan.py",  # running and planning
@@ -44,11 +45,13 @@ def test_editing_reporting_interface_or_runner_code_reruns_no_stage(tmp_path, mo
 
 @pytest.mark.parametrize("edited, rerun", [
     ("stages/data/formats.py", AFTER_DATA),  # the data stage's reading code: it and everything after it
-    ("stages/common/training.py", ["ppo", "reward", "serve", "sft", "tune"]),  # the shared Train loop helpers
+    ("stages/common/training.py", ["ppo", "reward", "serve", "sft", "tune"]),  # the shared Train helpers
+    ("stages/common/train_loop.py", ["ppo", "reward", "serve", "sft", "tune"]),  # the one Train loop (ppo: on sft's model)
     ("stages/common/deepspeed.py", ["ppo", "reward", "serve", "sft", "tune"]),
     ("stages/ppo/rl.py", ["ppo", "serve"]),  # PPO's math: PPO and what serves its policy
     ("stages/common/tasks.py", sorted(["model", *AFTER_DATA])),  # the generated task (the model's tokenizer too)
     ("pipeline/storage.py", ["serve"]),  # serve publishes through it; data only names its type
+    ("pipeline/layout.py", ["serve"]),  # the store's layout and manifest rules
 ])
 def test_editing_a_stages_code_reruns_it_and_what_is_downstream(tmp_path, monkeypatch, edited, rerun):
     assert _rekeyed(tmp_path, monkeypatch, edited) == rerun

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from conftest import ROOT
-from pipeline.console import Board, progress_line, rate_eta
+from pipeline.progress import Board, progress_line, rate_eta
 from pipeline.events import MARK, parse
 
 
@@ -288,7 +288,7 @@ def test_a_malformed_progress_event_never_kills_anything(tmp_path, live):
 
 
 def test_a_malformed_progress_event_is_refused_before_it_reaches_a_bar():
-    from pipeline.console import progress_event
+    from pipeline.progress import progress_event
 
     for event in MALFORMED[:-1]:
         with pytest.raises(ValueError):
