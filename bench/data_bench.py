@@ -32,7 +32,7 @@ def single_process(rows_by_kind: dict, tokenizer_path: str, cfg, seed: int, out:
     import pyarrow.parquet as pq
 
     from stages.data.formats import check_row
-    from stages.data import Tokenize, _table, split_of
+    from stages.data.steps import Tokenize, _table, split_of
 
     tok = Tokenize(tokenizer_path, cfg.max_len, cfg.system_prompt)
     written = 0

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 def rows_of(cfg, n: int, tokenizer_dir: str) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) of `n` generated conversations, tokenized and truncated by the data stage's code."""
     from stages.common import tasks
-    from stages.data import Tokenize
+    from stages.data.steps import Tokenize
 
     tok = Tokenize(tokenizer_dir, cfg.stages.data.max_len, cfg.stages.data.system_prompt)
     out = []
@@ -66,7 +66,7 @@ def main() -> None:
 
     from pipeline.config import load_config
     from stages.common import models, tasks
-    from stages.data import pack_rows
+    from stages.data.steps import pack_rows
     from stages.sft import forward
 
     cfg = load_config(ROOT / args.config, [])

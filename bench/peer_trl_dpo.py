@@ -19,7 +19,7 @@
    token ids must equal the pipeline's `chosen_input_ids` / `rejected_input_ids` (else SystemExit). The answer
    masks differ by one token per sequence, inherently: TRL scores every token after the prompt, i.e. the
    answer, `<|im_end|>` and the template's trailing newline; the pipeline's loss mask stops at `<|im_end|>`
-   (its span is the rendered turn less trailing whitespace, `stages.data.render_with_spans`). The newline's
+   (its span is the rendered turn less trailing whitespace, `stages.data.steps.render_with_spans`). The newline's
    log-prob is in TRL's sequence log-probs and not in ours (`tokens.trl_extra_masked_per_seq` counts it; the
    step-1 `logps_chosen` of the two sides differ by its mean log-prob: about -10.5 nats on the SFT model, which
    never trained on that token, as its SFT loss mask stops at `<|im_end|>` too). Both start at loss log 2 and

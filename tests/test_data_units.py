@@ -3,7 +3,7 @@
 import os
 
 from stages.common import tasks
-from stages.data import loss_mask, pack_rows, render_with_spans, split_of
+from stages.data.steps import loss_mask, pack_rows, render_with_spans, split_of
 
 
 def test_split_is_stable_and_close_to_the_fraction():
@@ -110,7 +110,7 @@ def test_parquet_footer_readers_are_capped_at_the_file_count(tmp_path, monkeypat
 def test_an_unpaired_row_is_one_conversation_with_its_absent_side_masked_out(tokenizer, tmp_path):
     """What the dpo stage's KTO reads (and the reward stage and the paired losses refuse): both sides hold the
     conversation, the desirable row's answer masked on the chosen side only, the undesirable's on the rejected."""
-    from stages.data import Tokenize
+    from stages.data.steps import Tokenize
 
     tokenizer.save_pretrained(tmp_path)
     tok = Tokenize(str(tmp_path), 256, None)
@@ -129,7 +129,7 @@ def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
     template renders them (Hermes form) and trains the call as the assistant's."""
     import pytest
 
-    from stages.data import Tokenize
+    from stages.data.steps import Tokenize
     from stages.data.formats import RowError
 
     tokenizer.save_pretrained(tmp_path)

@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from stages.data.formats import check_row, classify_row, detect_format, locate_problem
+from stages.data.files import locate_problem
+from stages.data.formats import check_row, classify_row, detect_format
 from stages.data.sources import SourceConfig, SourcesConfig, json_array_records, resolve_format
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stages.common import models, tasks
-from stages.data import loss_mask, pack_rows, render_with_spans
+from stages.data.steps import loss_mask, pack_rows, render_with_spans
 from stages.sft import _eval_loss, collate, forward
 
 TOL = 1e-5

@@ -16,8 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.data import _raw_rows, _validate_batch
-from stages.data.formats import classify_row, iter_rows, locate_problem
+from stages.data.steps import _raw_rows, _validate_batch
+from stages.data.files import iter_rows, locate_problem
+from stages.data.formats import classify_row
 from stages.data.sources import SourceConfig, json_array_records, read_source, records
 
 

@@ -111,7 +111,7 @@ def test_a_multi_turn_samples_mask_is_1_on_every_model_token_and_0_on_every_envi
     the chat template's rendering of the whole conversation, and the mask equals the data stage's assistant
     mask of it (render_with_spans / loss_mask: what SFT trains on) token for token."""
     from stages.common import models, tasks
-    from stages.data import loss_mask, render_with_spans
+    from stages.data.steps import loss_mask, render_with_spans
 
     tok = models.build_tokenizer(tasks.corpus(tasks.TaskConfig(calculator=0.5), 0, 200), 400)
     messages = tasks.tool_conversation("What is 347 * 58?", "347 * 58", 20126)

@@ -20,19 +20,18 @@ Run alone: `python -m pipeline run configs/full.yaml --only data` (after the `mo
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline import events
 from pipeline.errors import DataError
 from pipeline.schema import Section
-from stages.data.safe_read import parse_record
-from stages.data.formats import KINDS, RowError, check_row, classify_row, locate_problem
-from stages.data.sources import SourceConfig, SourcesConfig, read_source, resolve_format
+from stages.data.files import locate_problem
+from stages.data.formats import KINDS, RowError, check_row
+from stages.data.sources import SourceConfig, SourcesConfig, resolve_format
+from stages.data.steps import COLUMNS, Tokenize, count_by, first_row, pack_batch, read_kind
 
 if TYPE_CHECKING:  # annotations only: the data stage's key does not cover the storage code
     from pipeline.stage import StageContext
@@ -78,267 +77,6 @@ class DataConfig(Section):
         if not kinds:
             raise ValueError("no data: give stages.data.sources files or a stages.data.generate count above 0")
         return self
-
-
-# --------------------------------------------------------------------------- pure row functions
-
-
-def split_of(key: str, seed: int, eval_fraction: float) -> str:
-    """'eval' or 'train', a stable function of (seed, prompt) (Python's hash() is salted per process)."""
-    digest = hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
-    return "eval" if int.from_bytes(digest, "big") / 2**64 < eval_fraction else "train"
-
-
-def shuffle_key(payload: str, seed: int) -> str:
-    """A seeded hash of a row: sorting by it puts the rows in a pseudo-random, reproducible order.
-
-    The dedupe step groups rows by (kind, shuffle_key, payload), and Ray Data's groupby sorts by
-    its keys; grouped by the payload alone, the written datasets came out sorted by prompt, so
-    every training batch held near-identical problems (one sort-ordered sweep per epoch), which
-    kept SFT and the reward model far from what the same data teaches when shuffled.
-    """
-    return hashlib.blake2b(f"order\x00{seed}\x00{payload}".encode(), digest_size=8).hexdigest()
-
-
-def render_with_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Chat-template text of a conversation and the character spans of its assistant replies.
-
-    Works for any template that renders a conversation's prefix as a prefix of the whole text
-    (every mainstream chat template does): the span of reply i runs from the end of
-    `template(messages[:i], add_generation_prompt=True)` to the end of `template(messages[:i+1])`,
-    less trailing whitespace, so it covers the reply and the template's end-of-turn token.
-    """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
-        if not (text.startswith(upto) and upto.startswith(before)):
-            raise ValueError("the tokenizer's chat template does not render prefixes stably; cannot mask assistant turns")
-        spans.append((len(before), len(upto)))
-    return text, spans
-
-
-def loss_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for tokens whose first character lies in an assistant span, else 0."""
-    return [int(any(s <= start < e for s, e in spans) and end > start) for start, end in offsets]
-
-
-def pack_rows(rows: list[tuple[list[int], list[int]]], max_len: int) -> list[dict]:
-    """Greedily concatenate (input_ids, loss_mask) rows into rows of at most `max_len` tokens.
-
-    `position_ids` restart at 0 for each conversation so positions match unpacked training.
-    """
-    packed, ids, mask, pos = [], [], [], []
-    for row_ids, row_mask in rows:
-        if ids and len(ids) + len(row_ids) > max_len:
-            packed.append({"input_ids": ids, "loss_mask": mask, "position_ids": pos})
-            ids, mask, pos = [], [], []
-        ids, mask, pos = ids + row_ids, mask + row_mask, pos + list(range(len(row_ids)))
-    if ids:
-        packed.append({"input_ids": ids, "loss_mask": mask, "position_ids": pos})
-    return packed
-
-
-# --------------------------------------------------------------------------- Ray Data steps
-# All three row kinds travel through one Ray Data pipeline with one schema, so the whole stage
-# costs one read pass, one tokenizer actor pool and one materialisation (Ray Data's fixed cost per
-# execution dominates at this data size; docs/architecture.md, fact 12).
-
-# Columns each kind writes, besides `num_tokens`.
-COLUMNS = {
-    "sft": ("prompt", "input_ids", "loss_mask"),
-    "preference": ("prompt", "chosen", "rejected", "chosen_input_ids", "chosen_loss_mask",
-                   "rejected_input_ids", "rejected_loss_mask"),
-    "prompts": ("prompt", "answer", "prompt_ids", "extra"),  # extra: the row's other columns, JSON (reward functions)
-}
-TEXT_COLUMNS = ("kind", "split", "order", "prompt", "chosen", "rejected", "answer", "extra")
-ID_COLUMNS = ("input_ids", "loss_mask", "chosen_input_ids", "chosen_loss_mask", "rejected_input_ids",
-              "rejected_loss_mask", "prompt_ids", "position_ids")
-TOKEN_COLUMN = {"sft": "input_ids", "preference": "chosen_input_ids", "prompts": "prompt_ids"}
-
-
-def _raw_rows(batch, json_text: bool) -> list[dict | str]:
-    """A batch's raw records: JSON sources arrive as one `text` column of records (parsed here, so a
-    malformed one is a bad row, not a failed read); other sources as their own columns."""
-    rows = batch.to_pylist()
-    return [parse_record(r["text"]) for r in rows] if json_text else rows
-
-
-def split_with_eval(kind: str, group: str, seed: int, eval_fraction: float, eval_groups: frozenset | None) -> str:
-    """A row's split. Without a user's eval set: the seeded hash of its group. With one (`eval_groups`): the
-    eval rows are the prompts' eval split, every row sharing a group with them is held out of training
-    (sft and preference rows go to their eval split; prompt rows are not written), and the other prompt rows
-    all train, since the user's set is the evaluation."""
-    if kind == "eval":
-        return "eval"
-    if eval_groups is None:
-        return split_of(group, seed, eval_fraction)
-    if group in eval_groups:
-        return "in_eval_set" if kind == "prompts" else "eval"
-    return "train" if kind == "prompts" else split_of(group, seed, eval_fraction)
-
-
-def _validate_batch(batch, kind: str, source: str, fmt: str, columns: dict, json_text: bool, seed: int,
-                    eval_fraction: float, eval_groups: frozenset | None = None):
-    """Raw rows -> one uniform schema (kind, key, split, order, payload JSON, code, error, source)."""
-    import pyarrow as pa
-
-    out: dict[str, list] = {c: [] for c in ("kind", "key", "split", "order", "payload", "code", "error", "source")}
-    rows_kind = "prompts" if kind == "eval" else kind  # a user's eval rows are prompt rows
-    for row in _raw_rows(batch, json_text):
-        good, code, error = ((None, "invalid_json", row) if isinstance(row, str)
-                             else classify_row(rows_kind, row, fmt, columns))
-        payload = json.dumps(good, sort_keys=True) if good else ""
-        out["kind"].append(kind)
-        out["key"].append(good["key"] if good else "")
-        out["split"].append(split_with_eval(kind, good["group"], seed, eval_fraction, eval_groups) if good else "")
-        out["order"].append(shuffle_key(payload, seed))
-        out["payload"].append(payload)
-        out["code"].append(code)
-        out["error"].append(error)
-        out["source"].append(source)
-    return pa.table(out)
-
-
-def _read(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: int, eval_groups: frozenset | None = None):
-    """A lazy Ray dataset of validated rows from one source or from generated rows."""
-    import ray.data
-
-    if isinstance(source, list):
-        parts, name, fmt, columns = [(ray.data.from_items(source), False)], "generated", "auto", {}
-    else:
-        # `auto` is decided per row: one file may mix shapes (chat rows beside prompt + response rows)
-        parts, name, fmt, columns = read_source(source), source.path, source.format, source.columns
-    validated = [ds.map_batches(_validate_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
-                                fn_kwargs={"kind": kind, "source": name, "fmt": fmt, "columns": columns,
-                                           "json_text": json_text, "seed": seed, "eval_fraction": cfg.eval_fraction,
-                                           "eval_groups": eval_groups})
-                 for ds, json_text in parts]
-    return validated[0].union(*validated[1:]) if len(validated) > 1 else validated[0]
-
-
-def _first_row(group):
-    return group.slice(0, 1)
-
-
-def _partial_counts(batch, columns: list[str]):
-    """Row counts per distinct value of `columns` within one batch (summed by `_count_by`)."""
-    import pyarrow as pa
-
-    return pa.table({"counts": [json.dumps(batch.group_by(columns).aggregate([([], "count_all")]).to_pylist())]})
-
-
-def _count_by(ds, columns: list[str]) -> dict[tuple, int]:
-    """Rows per value of `columns`, from per-block partial counts: no shuffle.
-
-    A `groupby().count()` would start Ray Data's hash-shuffle aggregators, seconds of fixed
-    cost for a few small numbers.
-    """
-    totals: dict[tuple, int] = {}
-    for row in ds.map_batches(_partial_counts, batch_format="pyarrow", fn_kwargs={"columns": columns}).take_all():
-        for part in json.loads(row["counts"]):
-            key = tuple(part[c] for c in columns)
-            totals[key] = totals.get(key, 0) + part["count_all"]
-    return totals
-
-
-def _table(rows: list[dict]):
-    """Rows -> a pyarrow table with explicit types (ragged int lists, not numpy object arrays)."""
-    import pyarrow as pa
-
-    cols = {c: pa.array([r.get(c, "") for r in rows], pa.string()) for c in TEXT_COLUMNS}
-    cols.update({c: pa.array([r.get(c, []) for r in rows], pa.list_(pa.int32())) for c in ID_COLUMNS})
-    cols["num_tokens"] = pa.array([len(r.get(TOKEN_COLUMN[r["kind"]], [])) for r in rows], pa.int64())
-    return pa.table(cols)
-
-
-class Tokenize:
-    """Ray Data actor: validated payload rows of any kind -> token ids and loss masks.
-
-    Rows too long to use are kept as `split = "dropped:<split>"`, and rows the chat template cannot
-    render as given (tool calls a template ignores) as `split = "invalid:<code>"`, so the stage can
-    count them in the same pass; neither is ever written.
-    """
-
-    def __init__(self, tokenizer_path: str, max_len: int, system_prompt: str | None, total_rows: int | None = None):
-        from stages.common.models import load_tokenizer
-
-        self.tok, self.max_len, self.system = load_tokenizer(tokenizer_path), max_len, system_prompt
-        self.total_rows = total_rows  # for the console's progress (rows done out of this, over all actors)
-
-    def _with_system(self, messages: list[dict]) -> list[dict]:
-        if self.system and messages[0]["role"] != "system":
-            return [{"role": "system", "content": self.system}] + messages
-        return messages
-
-    def _conversation(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        messages = self._with_system(messages)
-        text, spans = render_with_spans(self.tok, messages)
-        if any(m.get("tool_calls") for m in messages):
-            bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
-            if self.tok.apply_chat_template(bare, tokenize=False) == text:
-                raise RowError("template_ignores_tools", "the model's chat template does not render tool_calls; "
-                               "use a model whose template supports tools, or drop these rows")
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        return enc["input_ids"], loss_mask(enc["offset_mapping"], spans)
-
-    def _row(self, kind: str, row: dict) -> tuple[dict, bool]:
-        """(tokenized row, fits in max_len)."""
-        if kind == "sft":
-            ids, mask = self._conversation(row["messages"])
-            ids, mask = ids[: self.max_len], mask[: self.max_len]  # truncate; usable while a reply remains
-            return {"prompt": row["key"], "input_ids": ids, "loss_mask": mask}, any(mask)
-        prompt = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-        if kind == "preference" and "label" in row:  # unpaired (KTO): one conversation, the absent side masked out
-            ids, mask = self._conversation(prompt + [{"role": "assistant", "content": row["chosen"] or row["rejected"]}])
-            none = [0] * len(ids)
-            out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
-                   "chosen_input_ids": ids, "chosen_loss_mask": mask if row["label"] else none,
-                   "rejected_input_ids": ids, "rejected_loss_mask": none if row["label"] else mask}
-            return out, len(ids) <= self.max_len
-        if kind == "preference":
-            c_ids, c_mask = self._conversation(prompt + [{"role": "assistant", "content": row["chosen"]}])
-            r_ids, r_mask = self._conversation(prompt + [{"role": "assistant", "content": row["rejected"]}])
-            out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
-                   "chosen_input_ids": c_ids, "chosen_loss_mask": c_mask,
-                   "rejected_input_ids": r_ids, "rejected_loss_mask": r_mask}
-            return out, max(len(c_ids), len(r_ids)) <= self.max_len  # truncation could erase the difference
-        text = self.tok.apply_chat_template(self._with_system(prompt), tokenize=False, add_generation_prompt=True)
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
-        extra = json.dumps(row["extra"], sort_keys=True) if row.get("extra") else ""
-        return {"prompt": row["prompt"], "answer": row["answer"], "prompt_ids": ids, "extra": extra}, len(ids) < self.max_len
-
-    def __call__(self, batch):
-        rows = []
-        for kind, split, order, payload in zip(batch["kind"].to_pylist(), batch["split"].to_pylist(),
-                                               batch["order"].to_pylist(), batch["payload"].to_pylist()):
-            try:
-                if kind == "eval":  # the user's eval set: prompt rows, in the prompts' eval split
-                    kind = "prompts"
-                out, fits = self._row(kind, json.loads(payload))
-                rows.append({**out, "kind": kind, "split": split if fits else f"dropped:{split}", "order": order})
-            except RowError as exc:
-                rows.append({"kind": kind, "split": f"invalid:{exc.code}", "prompt": str(exc), "order": order})
-        if self.total_rows:
-            events.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
-        return _table(rows)
-
-
-def _pack_batch(batch, max_len: int):
-    import pyarrow as pa
-
-    rows = list(zip(batch["input_ids"].to_pylist(), batch["loss_mask"].to_pylist()))
-    packed = pack_rows(rows, max_len)
-    return pa.table({
-        "prompt": pa.array([""] * len(packed), pa.string()),
-        "input_ids": pa.array([p["input_ids"] for p in packed], pa.list_(pa.int32())),
-        "loss_mask": pa.array([p["loss_mask"] for p in packed], pa.list_(pa.int32())),
-        "position_ids": pa.array([p["position_ids"] for p in packed], pa.list_(pa.int32())),
-        "num_tokens": pa.array([len(p["input_ids"]) for p in packed], pa.int64()),
-    })
 
 
 # --------------------------------------------------------------------------- the stage
@@ -422,7 +160,7 @@ def _checked(sources, cfg: DataConfig, pcfg, progress):
         progress(f"eval: {len(held_out)} prompts of your own held out of every training split")
     for kind, src in sources:
         try:
-            parts.append(_read(kind, src, cfg, pcfg.seed, held_out))
+            parts.append(read_kind(kind, src, cfg, pcfg.seed, held_out))
         except ValueError as exc:  # a source's columns fit no format, a missing split, an unparsable JSON array
             raise DataError(f"stages.data.sources.{kind}: {exc}") from None
         progress(f"{kind}: {len(src)} generated rows" if isinstance(src, list) else
@@ -443,7 +181,7 @@ def _bad_rows(checked, on_bad_rows: str, sources) -> dict[tuple[str, str], int]:
     from ray.data.expressions import col
 
     bad = checked.filter(expr=col("error") != "")
-    counts = {(kind, code): n for (kind, code), n in _count_by(bad, ["kind", "code"]).items()}
+    counts = {(kind, code): n for (kind, code), n in count_by(bad, ["kind", "code"]).items()}
     if counts and on_bad_rows == "fail":
         first = bad.take(1)[0]
         src = next((s for k, s in sources if k == first["kind"] and isinstance(s, SourceConfig)
@@ -481,7 +219,7 @@ def _write(tokens, kind: str, split: str, cfg: DataConfig, dest: Path, run_stora
     # a ShareGPT run still wrote its two tokenizer batches swapped now and then (fact 13).
     part = part.sort("order").select_columns([*COLUMNS[kind], "num_tokens"])
     if kind == "sft" and cfg.pack:
-        part = part.map_batches(_pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
+        part = part.map_batches(pack_batch, batch_format="pyarrow", batch_size=cfg.batch_size,
                                 fn_kwargs={"max_len": cfg.max_len})
     dest.mkdir(parents=True, exist_ok=True)
     run_storage.write_parquet(part, dest)
@@ -541,14 +279,14 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
     from ray.data.expressions import col
 
     good = checked.filter(expr=col("error") == "")
-    valid = _count_by(good, ["kind"])
+    valid = count_by(good, ["kind"])
     n_good = sum(valid.values())
     if cfg.dedupe:
         # Grouping by the seeded `order` hash first shuffles the rows as a side effect of the sort.
         # One partition: its output is one sorted stream, the same every run (with several, the
         # partitions came out in completion order); the default (200) costs seconds of set-up.
         good = good.groupby(["kind", "order", "payload"], num_partitions=1)
-        good = good.map_groups(_first_row, batch_format="pyarrow").materialize()  # counted for the progress total
+        good = good.map_groups(first_row, batch_format="pyarrow").materialize()  # counted for the progress total
         n_good = good.count()
     ctx.progress(f"tokenizing {n_good} {'unique ' if cfg.dedupe else ''}valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
     from ray.data import ActorPoolStrategy
@@ -558,7 +296,7 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
         fn_constructor_kwargs={"tokenizer_path": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
                                "system_prompt": cfg.system_prompt, "total_rows": n_good},
     ).materialize()
-    per_kind = _count_by(tokens, ["kind", "split"])
+    per_kind = count_by(tokens, ["kind", "split"])
     metrics: dict[str, int] = {}
     for kind in KINDS:
         unique = sum(n for (k, _), n in per_kind.items() if k == kind)

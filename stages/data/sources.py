@@ -31,8 +31,8 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
 import stages.data.safe_read as safe_read
-from stages.data.formats import (FORMATS, KINDS, SUFFIXES, detect_format, file_type, is_json_array, iter_rows,
-                                 map_columns, open_text)
+from stages.data.files import SUFFIXES, file_type, is_json_array, iter_rows, open_text
+from stages.data.formats import FORMATS, KINDS, detect_format, map_columns
 
 FORMAT_NAMES = ("auto", *dict.fromkeys(f for fmts in FORMATS.values() for f in fmts))
 # The canonical columns a mapping may name, per kind (what `formats` reads).
