@@ -151,9 +151,8 @@ def _diff(old: dict, new: dict) -> str:
     return ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
 
 
-def explain_miss(store: storage.ArtifactStore, spec: StageSpec, key: str, comps: dict) -> str:
-    """Why a stage has no artifact for this key, compared with its last attempt."""
-    last = store.last_attempt(spec.name)
+def explain_miss(last: dict | None, key: str, comps: dict) -> str:
+    """Why a stage has no artifact for this key, compared with its last attempt (`Lookup.last_attempt`)."""
     if not last:
         return "never run"
     if last.get("key") == key:
@@ -242,7 +241,7 @@ class Planner:
             status, reason = "hit", f"cached ({key})" if found.where == "here" else (
                 f"cached in {self.store.bucket.uri} ({key})" + (f"; here: {found.problem}" if found.problem else ""))
         else:
-            status, reason = "miss", found.problem or explain_miss(self.store, spec, key, comps)
+            status, reason = "miss", found.problem or explain_miss(found.last_attempt, key, comps)
         return PlannedStage(spec, key, comps, status_if(status), reason, finished, stage_cfg, found)
 
 

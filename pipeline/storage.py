@@ -74,12 +74,15 @@ class ArtifactMissing(UserError):
 
 @dataclass(frozen=True)
 class Lookup:
-    """Where a finished, undamaged copy of an artifact is: "here" (run_dir), "bucket", or "missing".
-    `problem` says why a copy that exists does not count (damage), for the plan's reason."""
+    """What the planner needs to know about a stage's artifact, in one answer from the store: where a
+    finished, undamaged copy is ("here" in run_dir, "bucket", or "missing"); `problem`, why a copy that
+    exists does not count (damage), for the plan's reason; and, when it is missing, `last_attempt` (the
+    key and components of the stage's last attempt under any key, to say what changed)."""
 
     where: str
     manifest: dict | None = None
     problem: str | None = None
+    last_attempt: dict | None = None
 
     @property
     def found(self) -> bool:
@@ -191,7 +194,7 @@ class ArtifactStore:
         if remote is not None:
             return Lookup("bucket", remote, f"output damaged: {local_problem}" if local_problem else None)
         problems = [p for p in (local_problem and f"output damaged: {local_problem}", remote_problem) if p]
-        return Lookup("missing", None, "; ".join(problems) or None)
+        return Lookup("missing", None, "; ".join(problems) or None, self.last_attempt(stage))
 
     def manifest(self, stage: str, key: str) -> dict | None:
         """The manifest of the finished copy in run_dir, or None."""

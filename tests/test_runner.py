@@ -124,6 +124,42 @@ def test_a_run_keys_each_stage_once_and_checks_a_hits_files_once(toy, monkeypatc
     assert keyed == {"toy_a": 1, "toy_b": 1, "toy_c": 1} and checked == {"toy_c": 1}
 
 
+def test_planning_asks_the_store_once_per_stage(toy):
+    """The planner gets what it needs about a stage (hit, where, why not, the last attempt) in one answer
+    from the store (`ArtifactStore.lookup`), hit or miss, and asks nothing else."""
+    from pipeline import plan as plan_mod
+
+    t, *_ = toy
+    t.run()
+    asked: list[tuple[str, str]] = []
+
+    class Counted:
+        def __init__(self, store):
+            self.store = store
+
+        def __getattr__(self, name):
+            value = getattr(self.store, name)
+            if callable(value):
+                def call(*args, **kwargs):
+                    asked.append((name, args[0] if args else ""))
+                    return value(*args, **kwargs)
+                return call
+            return value
+
+    def plan(*overrides):
+        cfg = t.cfg(*overrides)
+        selection = plan_mod.selection(cfg, registry=REGISTRY)
+        planner = plan_mod.Planner(cfg, *selection, Counted(storage.ArtifactStore.of(cfg)))
+        asked.clear()
+        return {p.spec.name: p for p in plan_mod.build_plan(cfg, planner=planner)}
+
+    assert {p.status for p in plan().values()} == {"hit"}
+    assert sorted(asked) == [("lookup", "toy_a"), ("lookup", "toy_b"), ("lookup", "toy_c")]
+    missed = plan("stages.data.max_len=99")  # a miss says what changed since the last attempt: same one answer
+    assert "config changed: stages.data.max_len" in missed["toy_a"].reason
+    assert sorted(asked) == [("lookup", "toy_a"), ("lookup", "toy_b"), ("lookup", "toy_c")]
+
+
 def test_config_change_reruns_the_stage_and_downstream_only(toy):
     t, *_ = toy
     t.run()
