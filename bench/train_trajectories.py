@@ -22,8 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TIMINGS = ("_s", "tokens_per_s", "startup", "memory", "rss", "peak")
 RUNS = {  # name: overrides on configs/smoke.yaml
-    "main": ["stages.ppo=null", "stages.serve=null", "stages.dpo={max_steps: 8, batch_size: 8, micro_batch_size: 2, "
-             "eval_every: 4, checkpoint_every: 4, eval_prompts: 0, num_workers: 2}"],
+    # sft and reward as the test suite's shared command-line run trains them (tests/conftest.py TRAINED: the
+    # reward model's LM loss on), so tests/test_train_loop.py checks that run against these figures
+    "main": ["stages.sft.checkpoint_every=3", "stages.reward.lm_loss_weight=1.0", "stages.ppo=null",
+             "stages.serve=null", "stages.dpo={max_steps: 8, batch_size: 8, micro_batch_size: 2, eval_every: 4, "
+             "checkpoint_every: 4, eval_prompts: 0, num_workers: 2}"],
     "kto-lora": ["stages.ppo=null", "stages.serve=null", "stages.sft=null", "stages.reward=null",
                  "stages.dpo={loss: kto, init_from: base, max_steps: 6, batch_size: 8, micro_batch_size: 2, "
                  "eval_every: 3, checkpoint_every: 3, eval_prompts: 0, num_workers: 2, lora: {r: 4}}"],

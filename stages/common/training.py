@@ -1,6 +1,7 @@
-"""Training mechanisms shared by the sft and reward stages (Ray Train V2 + DeepSpeed).
+"""Training mechanisms shared by the Train stages (Ray Train V2 + DeepSpeed) and PPO's roles.
 
-Each stage keeps its own loop (what it computes); this module holds only the plumbing both need:
+The one Train loop is `stages.common.train_loop` (sft, reward and dpo each give it their objective); this
+module holds the plumbing it and PPO's workers need:
 building the `TorchTrainer`, a rank-0 MLflow logger, padding, checkpoints that carry the
 DeepSpeed state (optimizer, scheduler) plus the position in the data (with LoRA: the adapter only,
 as safetensors), saving a HF model (gathering ZeRO-3 shards first), and scoring with a reward
