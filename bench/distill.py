@@ -21,6 +21,8 @@ so the stage's start-up and its two full held-out evaluations are left out. Accu
 (`curve_prompts` prompts x 4 samples, every 5 iterations) against training minutes, distill and grpo, per seed.
 
     .venv/bin/python bench/distill.py --seeds 0 1 2 --json bench/distill.json --plot docs/images/distill.png
+    .venv/bin/python bench/distill.py --seeds 0 1 2 --teacher-overrides stages.sft.epochs=9 \
+        --json bench/distill_strong.json --plot docs/images/distill_strong.png      # the stronger teacher
 """
 
 from __future__ import annotations
