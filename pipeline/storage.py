@@ -74,10 +74,8 @@ class ArtifactMissing(UserError):
 
 @dataclass(frozen=True)
 class Lookup:
-    """What the planner needs to know about a stage's artifact, in one answer from the store: where a
-    finished, undamaged copy is ("here" in run_dir, "bucket", or "missing"); `problem`, why a copy that
-    exists does not count (damage), for the plan's reason; and, when it is missing, `last_attempt` (the
-    key and components of the stage's last attempt under any key, to say what changed)."""
+    """The planner's one answer about an artifact: where a finished, undamaged copy is ("here", "bucket" or
+    "missing"); `problem`, why a copy that exists does not count (damage); if missing, the stage's last attempt."""
 
     where: str
     manifest: dict | None = None
