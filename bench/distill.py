@@ -103,10 +103,11 @@ def main() -> None:
     args = ap.parse_args()
 
     rows, t0 = [], time.time()
+    teacher_of = {"teacher_overrides": args.teacher_overrides}  # every row says which teacher it had
     for seed in args.seeds:
         run_dir = args.runs / f"seed{seed}"
         teacher_run = run_pipeline(args.config, run_dir, seed, None, args.teacher_overrides)
-        rows.append(row(seed, "teacher", teacher_run) | {"teacher_overrides": args.teacher_overrides})
+        rows.append(row(seed, "teacher", teacher_run) | teacher_of)
         teacher = Path(rows[-1]["artifact"]) / "model"
         same = [*SAME, f"stages.ppo.iterations={args.iterations}"]
         methods = {
@@ -118,8 +119,7 @@ def main() -> None:
         }
         for method in args.methods:
             overrides = methods[method]
-            rows.append(row(seed, method, run_pipeline(args.config, run_dir, seed, None, overrides))
-                        | {"teacher_overrides": args.teacher_overrides})
+            rows.append(row(seed, method, run_pipeline(args.config, run_dir, seed, None, overrides)) | teacher_of)
             r = rows[-1]
             print(f"[seed {seed} {method}] sampled {r['sampled_before']:.3f} -> {r['sampled_after']:.3f} "
                   f"(p {r['sampled_p']:.2g}), gold win-rate {r['gold_winrate']}", file=sys.stderr, flush=True)
