@@ -43,7 +43,7 @@ if [ "$PROFILE" = dev ] && ! command -v chromium >/dev/null && ! command -v chro
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
 
-# Code-execution rewards run untrusted code under bubblewrap (stages/ppo/sandbox.py); without it the sandbox
+# Code-execution rewards run untrusted code under bubblewrap (stages/ppo/sandbox/); without it the sandbox
 # falls back to weaker isolation (its docstring says what that cannot stop), so a failed install is not fatal.
 if ! command -v bwrap >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "setup: bubblewrap not installed (optional)"

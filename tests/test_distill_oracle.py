@@ -138,13 +138,13 @@ def test_the_teachers_reward_joins_each_tokens_advantage():
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):
     from helpers.tiny_llama import tiny_model_dir
     from pipeline.errors import UserError
-    from stages.ppo import _check_teacher
+    from stages.ppo.roles import check_teacher
 
     tiny_model_dir(tmp_path / "student")
     tiny_model_dir(tmp_path / "teacher")
-    _check_teacher(tmp_path / "teacher", tmp_path / "student")  # the same vocabulary: fine
+    check_teacher(tmp_path / "teacher", tmp_path / "student")  # the same vocabulary: fine
     other = tiny_model_dir(tmp_path / "other")
     other.add_tokens(["<think>"])
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(UserError, match=r"distill.teacher: .*other has another tokenizer than the student"):
-        _check_teacher(tmp_path / "other", tmp_path / "student")
+        check_teacher(tmp_path / "other", tmp_path / "student")

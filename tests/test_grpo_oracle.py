@@ -33,7 +33,7 @@ os.environ.clear()
 os.environ.update(_ENV)
 
 from helpers.tiny_llama import load, loss_and_grads, perturb, tiny_model_dir  # noqa: E402
-from stages.ppo import rl  # noqa: E402
+from stages.ppo import losses, rl  # noqa: E402
 from stages.ppo.worker import PPOWorker  # noqa: E402
 
 PROMPTS = ["abc", "xyz", "abc", "xyz"]  # one length: no left padding, so both sides use positions 0, 1, ...
@@ -103,7 +103,7 @@ def test_our_objective_equals_trl_grpo_trainers_loss(tmp_path, case):
         kl = rl.kl_penalty(logp, ref, "k3") if beta else None
         advantages = torch.tensor(ADVANTAGES)[:, None] * mask
         # the ppo stage's own settings -> policy_loss's keywords (PPOConfig.objective)
-        loss, stats = rl.policy_loss(logp, old, advantages, mask, eps, agg=loss_type, max_len=MAX_LEN,
+        loss, stats = losses.policy_loss(logp, old, advantages, mask, eps, agg=loss_type, max_len=MAX_LEN,
                                      clip_eps_high=eps_high, level=level, kl=kl, kl_coef=beta,
                                      kl_weighted=weighted)
         assert 0 < stats["clip_frac"] < 1, "no token (or every token) clipped: the clip range is not checked"

@@ -55,7 +55,7 @@ def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tm
 
 def test_a_role_is_placed_with_its_cpus_per_rank(tmp_path, monkeypatch):
     import stages.ppo.groups as groups
-    from stages.ppo import _start_role
+    from stages.ppo.roles import start_role
 
     placed = {}
 
@@ -68,8 +68,8 @@ def test_a_role_is_placed_with_its_cpus_per_rank(tmp_path, monkeypatch):
 
     monkeypatch.setattr(groups, "ModelGroup", Recorder)
     cfg = smoke_config(tmp_path, "stages.ppo.reward.cpus_per_rank=2").stages.ppo
-    _start_role("reward", cfg.reward, "reward", tmp_path, cfg, False, False, 0, 0, None)
-    _start_role("policy", cfg.policy, "causal", tmp_path, cfg, True, False, 0, 0, None)
+    start_role("reward", cfg.reward, "reward", tmp_path, cfg, False, False, 0, 0, None)
+    start_role("policy", cfg.policy, "causal", tmp_path, cfg, True, False, 0, 0, None)
     assert placed == {"reward": (1, 2), "policy": (cfg.policy.num_ranks, 1)}
 
 
@@ -168,12 +168,11 @@ def test_slope_and_pad_rows():
 
 
 def test_dynamic_sampling_replaces_groups_without_a_signal_and_keeps_the_batch_size(monkeypatch):
-    """`_fill`: groups whose samples all scored the same are replaced by refill rounds' kept groups, up to
+    """`rollouts.fill`: groups whose samples all scored the same are replaced by refill rounds' kept groups, up to
     max_refills; still short, the batch is topped up with dropped groups; the scores travel with their rows."""
     import types
 
-    import stages.ppo as ppo
-    from stages.ppo import scoring
+    from stages.ppo import rollouts, scoring
     from stages.ppo.config import PPOConfig
 
     n = 2
@@ -182,7 +181,7 @@ def test_dynamic_sampling_replaces_groups_without_a_signal_and_keeps_the_batch_s
     def request(refill):  # 4 prompts named by their round, 2 samples each
         rows = [{"prompt": f"r{refill}p{g}"} for g in range(4) for _ in range(n)]
         generated = [[{"ids": [refill, g, i]} for i in range(n)] for g in range(4)]
-        return ppo._Rollouts(0, rows, {}, [], generated=generated)
+        return rollouts.Rollouts(0, rows, {}, [], generated=generated)
 
     def rewards(texts, rows, flat, *_args, **_kw):
         refill = flat[0]["ids"][0]
@@ -190,15 +189,14 @@ def test_dynamic_sampling_replaces_groups_without_a_signal_and_keeps_the_batch_s
 
     monkeypatch.setattr(scoring, "training_rewards", rewards)
     monkeypatch.setattr(scoring, "answers_of", lambda tok, flat: ["" for _ in flat])
-    monkeypatch.setattr(ppo, "_request", lambda s, cfg, seed, it, fault, refill=0: request(refill))
-    monkeypatch.setattr(ppo, "_collect", lambda s, req, n, console: req)
+    monkeypatch.setattr(rollouts, "request", lambda s, cfg, seed, it, fault, refill=0: request(refill))
+    monkeypatch.setattr(rollouts, "collect", lambda s, req, n, console: req)
     session = types.SimpleNamespace(tok=None, rule=None, moments=None, role=lambda name: None)
-    loop = types.SimpleNamespace(seed=0)
 
     def fill(max_refills):
         cfg = PPOConfig(algorithm="grpo", prompts_per_iteration=4, mini_batch_size=8, micro_batch_size=4,
                         sampling={"n": n}, dynamic_sampling={"enabled": True, "max_refills": max_refills})
-        return ppo._fill(session, cfg, loop, request(0), print)
+        return rollouts.fill(session, cfg, 0, request(0), print)
 
     req = fill(max_refills=2)  # round 0 keeps p1 and p3; round 1 (the first refill) p1 and p3: full
     assert [r["prompt"] for r in req.rows[::n]] == ["r0p1", "r0p3", "r1p1", "r1p3"]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from stages.ppo import rl
+from stages.ppo import losses, rl
 
 LN2 = math.log(2)
 
@@ -150,7 +150,7 @@ def test_grpo_rejects_ragged_groups():
 
 def _policy_case(ratio: float, advantage: float, clip_eps: float = 0.2):
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, stats = rl.policy_loss(logp, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), clip_eps)
+    loss, stats = losses.policy_loss(logp, torch.zeros(1, 1), torch.tensor([[advantage]]), torch.ones(1, 1), clip_eps)
     loss.backward()
     return loss.item(), logp.grad.item(), stats["clip_frac"]
 
@@ -188,7 +188,7 @@ def test_policy_loss_batch_with_padding():
     logp = torch.tensor([[math.log(r) for r in ratios]], requires_grad=True)
     advantages = torch.tensor([[2.0, 1.0, -1.0, 1.0, 100.0]])
     mask = torch.tensor([[1, 1, 1, 1, 0]])
-    loss, stats = rl.policy_loss(logp, torch.zeros(1, 5), advantages, mask, clip_eps=0.2)
+    loss, stats = losses.policy_loss(logp, torch.zeros(1, 5), advantages, mask, clip_eps=0.2)
     loss.backward()
     # per token -2.2, -1.2 (clipped), 0.8 (clipped), -0.5 -> mean -3.1 / 4 = -0.775
     assert loss.item() == pytest.approx(-0.775)
@@ -210,11 +210,11 @@ def test_value_loss_clipped_and_unclipped():
     #           token 2 v = old -> max(1, 1) = 1
     #           token 3 v-old -0.5 -> clipped v 0.3: max(1, 0.49) = 1 (unclipped is worse)
     #           loss 0.5 * (0.09 + 0.25 + 1 + 1) / 4 = 0.2925, clip frac 1/4
-    loss, stats = rl.value_loss(values, old, returns, mask, clip_value=0.2)
+    loss, stats = losses.value_loss(values, old, returns, mask, clip_value=0.2)
     assert loss.item() == pytest.approx(0.2925)
     assert stats["value_clip_frac"] == pytest.approx(0.25)
     # no clipping: 0.5 * (0 + 0.25 + 1 + 1) / 4 = 0.28125
-    loss, stats = rl.value_loss(values, old, returns, mask, clip_value=None)
+    loss, stats = losses.value_loss(values, old, returns, mask, clip_value=None)
     assert loss.item() == pytest.approx(0.28125)
     assert stats["value_clip_frac"] == 0.0
 
@@ -297,24 +297,24 @@ def test_logprob_mismatch_ignores_padding():
 def test_aggregate_by_each_loss_type():
     per_token = torch.tensor([[1.0, 2.0], [3.0, 9.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    close(rl.aggregate(per_token, mask, "bnpo"), 2.0)  # (1 + 2 + 3) / 3
-    close(rl.aggregate(per_token, mask, "grpo"), 2.25)  # ((1 + 2) / 2 + 3 / 1) / 2
-    close(rl.aggregate(per_token, mask, "dr_grpo", max_len=4), 0.75)  # (1 + 2 + 3) / (2 rows x 4)
-    close(rl.aggregate(per_token, mask, "dapo", tokens=4.0), 1.5)  # the step's tokens per micro-batch, not these 3
-    close(rl.aggregate(per_token, mask, "dapo"), 2.0)  # no normalizer given: this micro-batch's own tokens
+    close(losses.aggregate(per_token, mask, "bnpo"), 2.0)  # (1 + 2 + 3) / 3
+    close(losses.aggregate(per_token, mask, "grpo"), 2.25)  # ((1 + 2) / 2 + 3 / 1) / 2
+    close(losses.aggregate(per_token, mask, "dr_grpo", max_len=4), 0.75)  # (1 + 2 + 3) / (2 rows x 4)
+    close(losses.aggregate(per_token, mask, "dapo", tokens=4.0), 1.5)  # the step's tokens per micro-batch, not these 3
+    close(losses.aggregate(per_token, mask, "dapo"), 2.0)  # no normalizer given: this micro-batch's own tokens
     with pytest.raises(ValueError, match="needs max_len"):
-        rl.aggregate(per_token, mask, "dr_grpo")
+        losses.aggregate(per_token, mask, "dr_grpo")
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        rl.aggregate(per_token, mask, "token_mean")
+        losses.aggregate(per_token, mask, "token_mean")
 
 
 def test_sequence_level_ratios_are_each_responses_mean_log_ratio():
     logp = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, 0.0, 0.0]])
     old = torch.tensor([[-1.2, -1.6, 0.0], [-0.7, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])  # the padded 5.0 must not count
-    got = rl.importance_log_ratio(logp, old, mask, "sequence")
+    got = losses.importance_log_ratio(logp, old, mask, "sequence")
     close(got, torch.tensor([[(0.2 - 0.4) / 2], [0.2]]))
-    assert rl.importance_log_ratio(logp, old, mask, "token").shape == (2, 3)
+    assert losses.importance_log_ratio(logp, old, mask, "token").shape == (2, 3)
 
 
 def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
@@ -322,13 +322,13 @@ def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
     logp = torch.tensor([[0.0]], requires_grad=True)
     old = torch.tensor([[-1.0]])
     adv, mask = torch.ones(1, 1), torch.ones(1, 1)
-    loss, stats = rl.policy_loss(logp, old, adv, mask, 0.2, agg="cispo", clip_eps_high=2.0)
+    loss, stats = losses.policy_loss(logp, old, adv, mask, 0.2, agg="cispo", clip_eps_high=2.0)
     loss.backward()
     close(loss, -2.0 * 0.0)  # -w A log p with log p = 0
     close(logp.grad, torch.tensor([[-2.0]]))  # -w A: the capped weight, no gradient through it
     assert stats["clip_frac"] == 1.0
     logp.grad = None
-    loss, _ = rl.policy_loss(logp, old, adv, mask, 0.2, clip_eps_high=0.28)
+    loss, _ = losses.policy_loss(logp, old, adv, mask, 0.2, clip_eps_high=0.28)
     loss.backward()
     close(logp.grad, torch.tensor([[0.0]]))  # the clipped surrogate: no gradient past 1 + 0.28
 
@@ -336,8 +336,8 @@ def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
 def test_clip_higher_lets_a_positive_advantage_ratio_grow_further():
     logp, old = torch.tensor([[0.25]]), torch.tensor([[0.0]])  # ratio e^0.25 ~ 1.284
     adv, mask = torch.ones(1, 1), torch.ones(1, 1)
-    symmetric, s1 = rl.policy_loss(logp, old, adv, mask, 0.2)
-    higher, s2 = rl.policy_loss(logp, old, adv, mask, 0.2, clip_eps_high=0.3)
+    symmetric, s1 = losses.policy_loss(logp, old, adv, mask, 0.2)
+    higher, s2 = losses.policy_loss(logp, old, adv, mask, 0.2, clip_eps_high=0.3)
     close(symmetric, -1.2)
     close(higher, -torch.exp(torch.tensor(0.25)))  # inside [0.8, 1.3]: unclipped
     assert (s1["clip_frac"], s2["clip_frac"]) == (1.0, 0.0)
@@ -346,7 +346,7 @@ def test_clip_higher_lets_a_positive_advantage_ratio_grow_further():
 def test_the_kl_term_is_added_per_token_before_aggregating():
     logp, mask = torch.zeros(2, 2), torch.tensor([[1, 1], [1, 0]])
     kl = torch.tensor([[1.0, 2.0], [6.0, 100.0]])  # the padded 100 must not count
-    loss, _ = rl.policy_loss(logp, logp.clone(), torch.zeros(2, 2), mask, 0.2, agg="grpo", kl=kl, kl_coef=0.5)
+    loss, _ = losses.policy_loss(logp, logp.clone(), torch.zeros(2, 2), mask, 0.2, agg="grpo", kl=kl, kl_coef=0.5)
     close(loss, 0.5 * ((1 + 2) / 2 + 6) / 2)
 
 
@@ -364,6 +364,6 @@ def test_dynamic_keep_drops_groups_whose_scores_are_all_equal():
 def test_policy_loss_with_tis_weights():
     # ratio 1 (logp == old), advantage 1 -> per-token term -1; weights 0.5 and 2 -> mean of -0.5, -2 = -1.25
     logp = torch.tensor([[-1.0, -1.0]])
-    loss, _ = rl.policy_loss(logp, logp.clone(), torch.ones(1, 2), torch.ones(1, 2), 0.2,
+    loss, _ = losses.policy_loss(logp, logp.clone(), torch.ones(1, 2), torch.ones(1, 2), 0.2,
                              weights=torch.tensor([[0.5, 2.0]]))
     close(loss, -1.25)

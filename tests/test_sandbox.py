@@ -1,4 +1,4 @@
-"""The code-execution sandbox (stages/ppo/sandbox.py): MBPP-style rows score 1 for a correct solution and 0
+"""The code-execution sandbox (stages/ppo/sandbox/): MBPP-style rows score 1 for a correct solution and 0
 for a wrong one, and hostile responses (a busy loop, a sleep, a fork bomb, a daemon, writes outside the working
 directory, a socket, 50 MB of output, a 2 GB allocation) score 0 within the wall clock plus a small margin and
 leave no process behind. Every isolation tier this machine has is run (PIPELINE_SANDBOX forces one), on the
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from stages.ppo import sandbox
+from stages.ppo.sandbox import harness
 from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
 from helpers.sandbox_tiers import WORKING
 
@@ -43,7 +44,7 @@ def stopping(case: str) -> list[str]:
 @pytest.fixture
 def tier(request, monkeypatch):
     monkeypatch.setenv(sandbox.ENV_VAR, request.param)
-    monkeypatch.setattr(sandbox, "LIMITS", LIMITS)
+    monkeypatch.setattr(harness, "LIMITS", LIMITS)
     yield request.param
     assert _marked() == [], "a hostile program's processes outlived its run"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stages.ppo import sandbox
+from stages.ppo.sandbox import cgroup, harness, tiers
 from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
 from helpers.sandbox_tiers import WORKING
 
@@ -133,10 +134,11 @@ def test_code_of_the_callers_own_uid_cannot_read_its_environment():
     # the weakest tier runs the code as the caller's uid: without PR_SET_DUMPABLE=0 it reads the caller's
     # /proc/<pid>/environ (an MLflow password, cloud keys). The caller here is a non-root process (nobody).
     script = textwrap.dedent(f"""
-        import importlib.util, json, sys
-        spec = importlib.util.spec_from_file_location("sbx", {str(REPO / "stages/ppo/sandbox.py")!r})
-        sbx = sys.modules["sbx"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sbx)
+        import json, sys, types
+        for name, path in (("stages", "stages"), ("stages.ppo", "stages/ppo")):  # the sandbox alone: stdlib only
+            sys.modules[name] = types.ModuleType(name)
+            sys.modules[name].__path__ = [{str(REPO)!r} + "/" + path]
+        import stages.ppo.sandbox as sbx
         code = ("import os\\ntry:\\n    print(b'SBX_SECRET_MARK' in open('/proc/%d/environ' % os.getppid(), 'rb').read())"
                 "\\nexcept OSError as e:\\n    print('denied', e.errno)\\n")
         res = sbx.run_python(code, sbx.SandboxLimits(cpu_s=2, wall_s=5, processes=8))
@@ -164,17 +166,15 @@ def test_code_as_a_fresh_uid_cannot_read_the_callers_environment(tier):
 
 def _cgroups_writable() -> str:
     """Why a cgroup cannot be made here ("" if it can), as the sandbox found out."""
-    if not hasattr(sandbox, "_cgroup_procs"):
-        return ""  # a sandbox without the total limit: the test runs, and fails
-    sandbox._cgroup_procs()
-    note = sandbox._cgroup_note[(sandbox.TOTAL.memory_mb, sandbox.TOTAL.tasks)]
+    cgroup.procs()
+    note = cgroup.note[(cgroup.TOTAL.memory_mb, cgroup.TOTAL.tasks)]
     return note if note.startswith("none") else ""
 
 
 @pytest.mark.skipif(bool(_cgroups_writable()), reason=f"this machine lets no process create a cgroup: "
                     f"{_cgroups_writable()}")
 def test_all_sandboxes_of_a_process_share_one_memory_and_task_limit(monkeypatch):
-    monkeypatch.setattr(sandbox, "TOTAL", sandbox.Totals(memory_mb=96, tasks=12))
+    monkeypatch.setattr(cgroup, "TOTAL", cgroup.Totals(memory_mb=96, tasks=12))
     assert "cgroup" in sandbox.describe()["sandbox_total_limit"]
     roomy = SandboxLimits(cpu_s=4, wall_s=8, memory_mb=0, processes=64)  # no per-process limit stops these
     threads = ("import threading, time\nn = 0\nfor _ in range(40):\n    try:\n"
@@ -192,7 +192,7 @@ def test_all_sandboxes_of_a_process_share_one_memory_and_task_limit(monkeypatch)
 def test_the_python_tool_logs_its_tier_and_describe_gives_mlflow_params(capsys, monkeypatch):
     from stages.ppo.environments import Python
 
-    monkeypatch.setattr(sandbox, "_announced", set())
+    monkeypatch.setattr(tiers, "_announced", set())
     Python()
     Python()
     out = capsys.readouterr().out
@@ -226,12 +226,12 @@ GAMES = {
 
 @pytest.mark.parametrize("game", list(GAMES))
 def test_a_response_gaming_code_tests_scores_zero(game, monkeypatch):
-    monkeypatch.setattr(sandbox, "LIMITS", LIMITS)
+    monkeypatch.setattr(harness, "LIMITS", LIMITS)
     assert code_tests("", GAMES[game], ADD) == 0.0
 
 
 def test_honest_answers_still_score_by_their_tests(monkeypatch):
-    monkeypatch.setattr(sandbox, "LIMITS", LIMITS)
+    monkeypatch.setattr(harness, "LIMITS", LIMITS)
     assert code_tests("", ADD["code"], ADD) == 1.0
     assert code_tests("", WRONG_ADD, ADD) == 0.0
     printing = ADD["code"] + "\nprint('hello', end='')\nif __name__ == '__main__':\n    print(add(1, 2))\n"

@@ -405,7 +405,7 @@ class PPOConfig(Section):
         return self
 
     def objective(self) -> dict:
-        """The policy loss's settings (`rl.policy_loss`'s keywords), defaults resolved."""
+        """The policy loss's settings (`losses.policy_loss`'s keywords), defaults resolved."""
         agg = self.loss_type or ("dr_grpo" if self.algorithm == "dr_grpo" else "bnpo")
         high = self.clip_eps_high if self.clip_eps_high is not None else 5.0 if agg == "cispo" else self.clip_eps
         return {"agg": agg, "clip_eps": self.clip_eps, "clip_eps_high": high, "level": self.importance_sampling,

@@ -1,5 +1,7 @@
-"""The pure math of PPO and the critic-free estimators (GRPO, RLOO, REINFORCE++, Dr. GRPO):
-advantages, KL penalties, clipped losses, whitening, truncated importance sampling.
+"""The pure math of PPO and the critic-free estimators (GRPO, RLOO, REINFORCE++, Dr. GRPO) on the
+driver's side: advantages, KL penalties and their controller, whitening, truncated importance
+sampling, reward shaping (DAPO's overlong penalty and group filter). The losses the ranks minimise
+with them are in `losses.py`.
 
 Why a module of its own: these few formulas decide whether RL training works, and every bug in
 them is silent (the loss still goes down). Kept as small functions on tensors, with no Ray,
@@ -262,102 +264,7 @@ def logprob_mismatch(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mas
             "logprob_mismatch_max": kept.max().item() if kept.numel() else 0.0}
 
 
-# --------------------------------------------------------------------------- losses
-
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-
-
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None,
-              tokens: float | None = None) -> torch.Tensor:
-    """A per-token loss (B, T) -> scalar, by TRL's `GRPOConfig.loss_type` names (same formulas).
-
-    "bnpo": the mean over every real token of the micro-batch (the default here, for every algorithm).
-    "grpo": each response's token mean, then the mean over responses (the GRPO paper's form: a short
-    response's tokens weigh more than a long one's).
-    "dr_grpo": the token sum divided by a constant, B x max_len (Dr. GRPO: no length bias).
-    "dapo" / "cispo": the token sum divided by `tokens`, the optimizer step's real tokens per micro-batch
-    (its mean over the iteration's batch: TRL's normalizer of the generation batch). Every token of an
-    optimizer step then weighs the same, whichever micro-batch it falls in. Without `tokens`: this
-    micro-batch's own token count (the same as "bnpo").
-    """
-    kept = torch.where(mask.bool(), per_token, torch.zeros_like(per_token))
-    if mode == "bnpo":
-        return masked_mean(per_token, mask)
-    if mode == "grpo":
-        return (kept.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    if mode == "dr_grpo":
-        if not max_len:
-            raise ValueError("dr_grpo aggregation needs max_len (the longest response, e.g. max_new_tokens)")
-        return kept.sum() / (per_token.shape[0] * max_len)
-    if mode in ("dapo", "cispo"):
-        return kept.sum() / (tokens if tokens else mask.sum().clamp(min=1))
-    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {mode!r}")
-
-
-def importance_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """log(pi / pi_old) per token (B, T), or per response (B, 1): the mean of its tokens' (GSPO).
-
-    GSPO (Zheng et al. 2025) clips one ratio per response, the geometric mean of its tokens' ratios,
-    because the reward judges the response: a token ratio far from 1 then no longer zeroes its own
-    gradient alone, and the noise of single tokens averages out over the response.
-    """
-    log_ratio = logp - old_logp
-    if level == "token":
-        return log_ratio
-    if level == "sequence":
-        kept = torch.where(mask.bool(), log_ratio, torch.zeros_like(log_ratio))
-        return (kept.sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1)
-    raise ValueError(f"importance_sampling must be one of {', '.join(IMPORTANCE_LEVELS)}, got {level!r}")
-
-
-def policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-    weights: torch.Tensor | None = None, agg: str = "bnpo", max_len: int | None = None,
-    clip_eps_high: float | None = None, level: str = "token", kl: torch.Tensor | None = None,
-    kl_coef: float = 0.0, tokens: float | None = None, kl_weighted: bool = False,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy's loss on one micro-batch: PPO's clipped surrogate (Schulman et al. 2017) or CISPO's,
-    plus the KL term, aggregated by `agg` (a `LOSS_TYPES` name, `aggregate`'s modes).
-
-    Clipped surrogate: the max of the two negated terms is the pessimistic bound. Once the ratio has
-    moved past [1 - clip_eps, 1 + clip_eps_high] in the direction the advantage rewards, the clipped term
-    wins and its gradient is zero, so one batch cannot push the policy far. `clip_eps_high` above
-    `clip_eps` is DAPO's clip-higher: a token the policy thought unlikely may grow further (exploration).
-    "cispo" (MiniMax-M1) clips the importance weight instead, min(ratio, clip_eps_high) with no
-    gradient through it, and keeps every token's gradient -w A grad(log p): no token is silenced.
-    `clip_eps_high` is then that cap itself (TRL's ε_max, 5.0 in ScaleRL), not 1 + it.
-
-    `level`: "token" or "sequence" ratios (`importance_log_ratio`, GSPO). `weights` (B, T), e.g.
-    `tis_weights`, scale each token's term; `kl` (B, T) per-token KL to the reference, added as
-    `kl_coef` * kl to each token's loss before aggregating (as TRL's GRPOTrainer does), times the
-    importance ratio with `kl_weighted` (DeepSeek-V3.2's unbiased KL gradient; TRL's default). `tokens`:
-    the dapo / cispo normalizer (`aggregate`). clip_frac is the share of tokens whose term was clipped;
-    approx_kl (k2 between new and old policy, token level) shows how far the step went.
-    """
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    log_ratio = importance_log_ratio(logp, old_logp, mask, level)
-    ratio = torch.exp(log_ratio)
-    if agg == "cispo":
-        per_token = -ratio.clamp(max=high).detach() * advantages * logp
-        clipped_tokens = ((ratio > high) & (advantages > 0)).float()
-    else:
-        unclipped = -advantages * ratio
-        clipped = -advantages * torch.clamp(ratio, 1 - clip_eps, 1 + high)
-        per_token = torch.maximum(unclipped, clipped)
-        clipped_tokens = (clipped > unclipped).float()
-    if weights is not None:
-        per_token = per_token * weights
-    if kl is not None and kl_coef:
-        per_token = per_token + kl_coef * (kl * ratio if kl_weighted else kl)
-    loss = aggregate(per_token.expand_as(mask), mask, agg, max_len, tokens)
-    with torch.no_grad():
-        stats = {
-            "clip_frac": masked_mean(clipped_tokens.expand_as(mask), mask).item(),
-            "approx_kl": masked_mean(0.5 * (logp - old_logp) ** 2, mask).item(),
-        }
-    return loss, stats
+# --------------------------------------------------------------------------- shaping and filtering the rewards
 
 
 def overlong_penalty(lengths: list[int], max_len: int, cache: int) -> list[float]:
@@ -383,26 +290,6 @@ def dynamic_keep(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> to
     """
     groups = _groups(scores, group_size, minimum=2)
     return (groups.max(1).values - groups.min(1).values) > eps
-
-
-def value_loss(
-    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, clip_value: float | None
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Squared error of the value head against the GAE returns, optionally clipped like PPO.
-
-    Clipping keeps the new value within clip_value of the one used to compute the advantages,
-    taking the worse of the clipped and unclipped errors; None turns it off.
-    value_clip_frac is the share of tokens where the clipped error was the larger one.
-    """
-    unclipped = (values - returns) ** 2
-    if clip_value is None:
-        return 0.5 * masked_mean(unclipped, mask), {"value_clip_frac": 0.0}
-    clipped_values = old_values + torch.clamp(values - old_values, -clip_value, clip_value)
-    clipped = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
-    with torch.no_grad():
-        frac = masked_mean((clipped > unclipped).float(), mask).item()
-    return loss, {"value_clip_frac": frac}
 
 
 # --------------------------------------------------------------------------- KL coefficient

@@ -197,7 +197,8 @@ class PPOWorker(Workhorse):
 
     def train_policy(self, batch: dict, hp: dict) -> dict[str, float]:
         """`hp['epochs']` passes of clipped-PPO updates over this rank's rollouts."""
-        from stages.ppo.rl import kl_penalty, masked_mean, policy_loss
+        from stages.ppo.losses import policy_loss
+        from stages.ppo.rl import kl_penalty, masked_mean
 
         self.engine.train()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_frac": [], "approx_kl": [], "entropy": []}
@@ -224,7 +225,7 @@ class PPOWorker(Workhorse):
         return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, "policy_train_s": time.time() - t0}
 
     def train_critic(self, batch: dict, hp: dict) -> dict[str, float]:
-        from stages.ppo.rl import value_loss
+        from stages.ppo.losses import value_loss
 
         self.engine.train()
         losses, clipped = [], []
