@@ -1,6 +1,7 @@
-"""Cache keys and fingerprints: hashing, the code a stage runs, library versions, atomic JSON.
+"""Cache keys and fingerprints: hashing, the code a stage runs, library versions.
 
-Where artifacts live and what makes one finished is `pipeline.storage` (the artifact store).
+Where artifacts live and what makes one finished is `pipeline.storage` (the artifact store, which also
+writes JSON whole and memoises file hashes).
 
 A cache key is a hash of (stage name, its resolved config, the source of its code, upstream
 keys, fingerprints of raw input files). "Its code" is found by reading the stage module's
@@ -18,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipeline.storage import sha256_file
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_PACKAGES = ("pipeline", "stages")
 # Modules that only report (our lines, progress, metrics to MLflow, where library output goes): no
@@ -29,12 +32,6 @@ REPORTING = frozenset({"pipeline.events", "pipeline.console", "pipeline.progress
 # --------------------------------------------------------------------------- hashing
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def hash_json(data: Any, length: int = 16) -> str:
@@ -134,65 +131,3 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
-
-
-class FingerprintCache:
-    """Content hashes of raw input files, memoised by (size, mtime) so big checkpoints hash once."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.memo: dict[str, list] = {}
-        if path and path.is_file():
-            try:
-                self.memo = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.memo = {}
-
-    def file(self, path: Path) -> str:
-        st = path.stat()
-        key, stamp = str(path), [st.st_size, st.st_mtime_ns]
-        hit = self.memo.get(key)
-        if hit and hit[:2] == stamp:
-            return hit[2]
-        digest = sha256_file(path)
-        self.memo[key] = [*stamp, digest]
-        return digest
-
-    def paths(self, paths: list[Path]) -> dict[str, str]:
-        """{path: sha256} for files, expanding directories into their files."""
-        out = {}
-        for p in paths:
-            files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-            for f in files:
-                out[str(f)] = self.file(f)
-        return out
-
-    def save(self) -> None:
-        if self.path:
-            write_json_atomic(self.path, self.memo)
-
-
-# --------------------------------------------------------------------------- files
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that readers see either the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None

@@ -21,7 +21,7 @@ import uuid
 from functools import cached_property
 from pathlib import Path
 
-from pipeline.errors import StorageError
+from pipeline.errors import StorageError, UserError
 
 CHUNK = 1 << 20
 
@@ -238,3 +238,11 @@ def probe(store: ObjectStore) -> str:
         return f"{type(exc).__name__}: {exc}"
     return "" if ok else "wrote a marker object but could not read it back"
 
+
+def check(store: ObjectStore | None) -> None:
+    """Fail before any work when the bucket cannot be written and read back (credentials, endpoint, name)."""
+    problem = probe(store) if store is not None else ""
+    if problem:
+        raise UserError(f"storage.uri {store.uri}: cannot write and read back an object ({problem}); check that the "
+                        "bucket exists, the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and "
+                        "storage.endpoint_url")

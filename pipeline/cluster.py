@@ -20,17 +20,20 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline import storage
 from pipeline.console import capture_ray_logs
 from pipeline.tracking import cluster_store_problem, credentials_env
+
+if TYPE_CHECKING:  # annotations only
+    from pipeline.run_storage import RunStorage
 
 # What the cluster's workers need of the project is its code, not the venv, runs or tests.
 RUNTIME_EXCLUDES = [".venv", ".git", "runs", "tests", "bench", "**/__pycache__", "*.egg-info", "mlruns"]
 JOB_DRIVER_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job's driver
 
 
-def ensure_ray(ray_cfg, run_storage: storage.RunStorage | None = None, log=lambda message: None,
+def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda message: None,
                tracking_uri: str | None = None) -> bool:
     """Connect to Ray if not connected yet; True if this call started (and so must stop) it.
 
@@ -365,5 +368,7 @@ def _probe_bucket(store) -> dict:
 
     import ray
 
+    from pipeline.bucket import probe
+
     return {"node_id": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
-            "ip": ray.util.get_node_ip_address(), "error": storage.probe(store)}
+            "ip": ray.util.get_node_ip_address(), "error": probe(store)}

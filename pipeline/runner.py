@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import artifacts, outcomes, storage
+from pipeline.run_storage import RunStorage
 from pipeline import console as console_mod
+from pipeline.bucket import check as check_bucket
 from pipeline.config import PipelineConfig, flatten, get_path
 from pipeline.errors import LockError, UserError
 from pipeline.plan import FORCED, PlannedStage, Planner, build_plan, selection
@@ -95,7 +97,7 @@ class RunContext:
     console: Any
     tracker: Any
     run_id: str
-    storage: storage.RunStorage
+    storage: RunStorage
     upstream: dict[str, dict] = field(default_factory=dict)  # input name -> the manifest of the stage that made it
     metrics: dict[str, float] = field(default_factory=dict)
     started_ray: bool = False
@@ -289,9 +291,9 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     finished when a stage fails.
     """
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
-    run_storage = storage.RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
+    run_storage = RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
     store = run_storage.artifacts  # the one artifact store of this run: planner, runner, workers' pulls
-    storage.check(store.bucket)
+    check_bucket(store.bucket)
     summary = summary if summary is not None else {}
     with RunLock(cfg.run_dir):
         planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), store)
@@ -305,7 +307,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
 
 
 def _run_plan(cfg: PipelineConfig, config_path: Path, console, planner: Planner, plan: list[PlannedStage],
-              run_storage: storage.RunStorage, summary: dict) -> None:
+              run_storage: RunStorage, summary: dict) -> None:
     """Run the selected stages of `plan` in order under one MLflow parent run; shut down a Ray this started."""
     from pipeline.tracking import Tracker
 

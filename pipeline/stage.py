@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
     from pipeline.config import PipelineConfig
-    from pipeline.storage import RunStorage
+    from pipeline.run_storage import RunStorage
 
 
 class StageContext(Protocol):

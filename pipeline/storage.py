@@ -1,8 +1,9 @@
 """The artifact store: `artifacts/<stage>/<key>` on disk and, with `storage.uri: s3://...`, in a bucket.
 
-Every reader and writer of finished artifacts goes through `ArtifactStore` (the runner, the
-planner, `tuned_values`, the workers' `RunStorage.localize`): the layout is spelled here and
-nowhere else, and so are the rules that keep a result from being lost or taken when it is bad.
+Every reader and writer of finished artifacts goes through `ArtifactStore` (the runner, the planner,
+`tuned_values`, the workers' `RunStorage.localize`): the layout is spelled here and nowhere else, and
+so are the rules that keep a result from being lost or taken when it is bad (docs/architecture.md,
+"The artifact store", says each rule and why):
 
     store = ArtifactStore.of(cfg)          # built once per run
     store.lookup("sft", key)               # Lookup: "here", "bucket" or "missing" (damage named)
@@ -10,60 +11,203 @@ nowhere else, and so are the rules that keep a result from being lost or taken w
     ... the stage writes into work ...
     manifest = store.commit("sft", key, fields)   # manifest last; bucket, then disk, replaced whole
 
-The rules (docs/architecture.md, "The artifact store"):
-
-- **An artifact exists only with its manifest**, written last, and the manifest records the size
-  and SHA-256 of *every* file. A copy whose files do not match it is damaged: a miss, with the
-  reason, never a traceback and never a hit. On disk the hashes are checked with a memo on (size,
-  mtime) (`FingerprintCache`), so a multi-GB checkpoint is hashed once at disk speed; in the bucket
-  each file's ETag is compared with the one recorded when it was uploaded (one HEAD per file, no
-  download).
-- **Pulls and pushes compare content, never size**: a pull hashes what it downloads and refuses
-  bytes that are not the manifest's; a push hashes what it uploads. Two safetensors shards of the
-  same model always have the same size.
-- **No window without a good copy.** A stage always builds into `artifacts/<stage>/.staging/<key>`.
-  In the bucket each committed copy lives under its own prefix (`artifacts/<stage>/<key>/<copy>/`)
-  and the manifest at `artifacts/<stage>/<key>/manifest.json` names it: a commit uploads the new
-  copy beside the old one, then replaces the manifest in one PUT, then deletes the old copy. On
-  disk the finished directory and the staging one are exchanged in one `renameat2(RENAME_EXCHANGE)`;
-  where the filesystem lacks it, two renames whose failure puts the old copy back (and a lookup
-  restores an old copy left aside by a process killed between them). A failed commit leaves the
-  last good copy readable in both places.
-- **Storage errors are errors**: only "no such object" reads as missing; anything else
-  (credentials, network, throttling) raises `StorageError` naming the object.
-
-Without a bucket, `run_dir` is the storage of record, and on a multi-node cluster it must be a
-path every node mounts (`pipeline.cluster.check_shared_storage`). With one, the bucket is the
-storage of record and `run_dir` is each machine's working copy: a local miss pulls, a local-only
-artifact is pushed when next used, Ray Train checkpoints go to `<uri>/checkpoints/<stage>/<key>/`
-through Ray Train's `storage_filesystem`, and Ray Data reads stage inputs from the bucket.
-
-Workers learn about the store from a `RunStorage` value the stage passes to every worker it
-creates (no environment variable); Ray Data and Ray Train get the bucket's filesystem object
-itself (`RunStorage.target`).
+Read top to bottom: files written whole or not at all and their hashes (memoised on size and mtime,
+so a multi-GB checkpoint is hashed once); the layout (spelled once); manifests (every file's size and
+SHA-256; a copy whose files do not match is damaged: a miss with its reason, never a hit); the store
+itself (lookup, pull, push, begin, commit: the bucket's copy replaced before run_dir's, run_dir's
+swapped in by `pipeline.swap` with no moment without a good copy). Storage errors are errors: only
+"no such object" reads as missing. What a worker receives is `pipeline.run_storage.RunStorage`.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
+from typing import Any
 
-from pipeline.artifacts import FingerprintCache, read_json, sha256_file, write_json_atomic
-from pipeline.bucket import ContentMismatch, ObjectStore, probe  # noqa: F401 - ContentMismatch: what callers of pull catch
+from pipeline.bucket import ContentMismatch, ObjectStore, safe_relative  # noqa: F401 - ContentMismatch: what callers of pull catch
 from pipeline.errors import StorageError, UserError
-# The layout and manifest rules (pipeline.layout), also read by callers as storage.<name>.
-from pipeline.layout import (ARTIFACTS, ASIDE, COPY_NAME, MANIFEST, STAGING, _clear, artifact_dir,  # noqa: F401
-                             artifact_of, artifact_rel, checkpoint_dir, copy_problem, damage, file_records,
-                             manifest_problem, output_paths, replace_dir)
+from pipeline.swap import replace_dir
+
+# --------------------------------------------------------------------------- files, whole or not at all
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that readers see either the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class FingerprintCache:
+    """Content hashes of raw input files, memoised by (size, mtime) so big checkpoints hash once."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.memo: dict[str, list] = {}
+        if path and path.is_file():
+            try:
+                self.memo = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                self.memo = {}
+
+    def file(self, path: Path) -> str:
+        st = path.stat()
+        key, stamp = str(path), [st.st_size, st.st_mtime_ns]
+        hit = self.memo.get(key)
+        if hit and hit[:2] == stamp:
+            return hit[2]
+        digest = sha256_file(path)
+        self.memo[key] = [*stamp, digest]
+        return digest
+
+    def paths(self, paths: list[Path]) -> dict[str, str]:
+        """{path: sha256} for files, expanding directories into their files."""
+        out = {}
+        for p in paths:
+            files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+            for f in files:
+                out[str(f)] = self.file(f)
+        return out
+
+    def save(self) -> None:
+        if self.path:
+            write_json_atomic(self.path, self.memo)
+
+
+MANIFEST = "manifest.json"
+ARTIFACTS = "artifacts"
+STAGING = ".staging"  # artifacts/<stage>/.staging/<key>: where a stage builds (its name is still the key)
+# What `_publish` names a bucket copy: one directory right under its artifact's prefix, `copy-<time>-<id>`.
+COPY_NAME = re.compile(r"copy-[0-9A-Za-z-]+")
+ASIDE = ".old"  # artifacts/<stage>/.old/<key>: a finished copy set aside during a two-rename swap
+
+
+# --------------------------------------------------------------------------- layout (spelled once)
+
+
+def artifact_rel(stage: str, key: str) -> str:
+    """Where an artifact lives, relative to run_dir and to the bucket prefix."""
+    return f"{ARTIFACTS}/{stage}/{key}"
+
+
+def artifact_dir(run_dir: Path, stage: str, key: str) -> Path:
+    return Path(run_dir) / artifact_rel(stage, key)
+
+
+def checkpoint_dir(run_dir: Path, stage: str, key: str) -> Path:
+    """Training checkpoints of one key, kept across attempts (a rerun of the same key resumes)."""
+    return Path(run_dir) / "checkpoints" / stage / key
+
+
+def output_paths(manifest: dict, out_dir: Path) -> dict[str, Path]:
+    """Outputs recorded relative to the artifact dir resolve against it; external paths stay."""
+    return {name: (out_dir / p) if not Path(p).is_absolute() else Path(p) for name, p in manifest["outputs"].items()}
+
+
+# --------------------------------------------------------------------------- manifests, pure
+
+
+def file_records(out_dir: Path, hasher=sha256_file) -> dict[str, dict]:
+    """{relative path: {"size", "sha256"}} of everything a stage wrote: what its manifest vouches for."""
+    records = {}
+    for f in sorted(out_dir.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            records[str(f.relative_to(out_dir))] = {"size": f.stat().st_size, "sha256": hasher(f)}
+    return records
+
+
+def manifest_problem(manifest, key: str, in_bucket: bool = False) -> str | None:
+    """What makes a manifest unusable for `key` (not ours, no content hashes, outputs that leave the
+    artifact), or None. A bucket manifest must name only paths inside its artifact: one written by
+    another machine cannot point this one at its files."""
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return "its manifest is unreadable or belongs to another key"
+    files, outputs = manifest.get("files"), manifest.get("outputs")
+    if not isinstance(files, dict) or not isinstance(outputs, dict):
+        return "its manifest lists no files or outputs"
+    if any(not isinstance(r, dict) or "sha256" not in r for r in files.values()):
+        return "its manifest has no content hash for every file (made by an older version of the pipeline)"
+    names = [*files, *(outputs.values() if in_bucket else [p for p in outputs.values() if not Path(p).is_absolute()])]
+    for name in names:
+        try:
+            safe_relative(str(name), "manifest")
+        except StorageError:
+            return f"its manifest names {name!r}, a path outside the artifact"
+    return copy_problem(manifest.get("copy")) if in_bucket else None
+
+
+def copy_problem(copy) -> str | None:
+    """Why a bucket manifest's `copy` is not a copy directory of its artifact, or None.
+
+    Its files are read from (and pulled into run_dir out of) `<artifact>/<copy>/`, so `copy` must be one
+    name of the form `_publish` writes: '../../other', '/abs' or 'a/b' would point this machine at objects
+    outside the artifact, which a manifest written elsewhere must not be able to do."""
+    if not isinstance(copy, str):
+        return "its bucket manifest names no copy (made by an older version of the pipeline)"
+    if not COPY_NAME.fullmatch(copy):
+        return (f"its bucket manifest names copy {copy!r}, not a copy directory of the artifact (one name, "
+                "copy-<time>-<id>): a path that could leave the artifact is refused")
+    return None
+
+
+def damage(manifest: dict, out_dir: Path, hasher=sha256_file) -> str | None:
+    """What on disk no longer matches the manifest's file records (missing, resized, edited), or None."""
+    for rel, rec in manifest["files"].items():
+        f = out_dir / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        size = f.stat().st_size
+        if size != rec["size"]:
+            return f"{rel} has {size} bytes, {rec['size']} when it was made"
+        if hasher(f) != rec["sha256"]:
+            return f"{rel} changed after it was made (its SHA-256 differs)"
+    return None
+
+
+# --------------------------------------------------------------------------- local swaps
+
+
+def _clear(directory: Path) -> None:
+    """Remove a work directory, its manifest first (a half-deleted directory is never finished)."""
+    if directory.exists():
+        (directory / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(directory)
+
 
 # --------------------------------------------------------------------------- the store
 
@@ -96,7 +240,8 @@ class ArtifactStore:
 
     @classmethod
     def of(cls, cfg) -> "ArtifactStore":
-        return RunStorage.of(cfg).artifacts
+        s = cfg.storage
+        return cls(Path(cfg.run_dir), ObjectStore(s.uri, s.endpoint_url, s.region) if s.uri else None)
 
     @property
     def where(self) -> str:
@@ -197,13 +342,6 @@ class ArtifactStore:
     def manifest(self, stage: str, key: str) -> dict | None:
         """The manifest of the finished copy in run_dir, or None."""
         return self.local(stage, key)[0]
-
-    def outputs(self, stage: str, key: str) -> dict[str, Path]:
-        """{output name: path} of the finished copy in run_dir (pull it first: `ensure_local`)."""
-        manifest = self.manifest(stage, key)
-        if manifest is None:
-            raise ArtifactMissing(f"stage '{stage}': no finished artifact {key} in {self.run_dir / ARTIFACTS}")
-        return output_paths(manifest, self.local_dir(stage, key))
 
     def read_output(self, stage: str, key: str, name: str) -> bytes | None:
         """One (small) output file's bytes, from run_dir or else the bucket, without pulling the
@@ -349,152 +487,3 @@ class ArtifactStore:
         replace_dir(work, self.local_dir(stage, key), self._aside_dir(stage, key))
         self.fps.save()
         return manifest
-
-
-def check(store: ObjectStore | None) -> None:
-    """Fail before any work when the bucket cannot be written and read back (credentials, endpoint, name)."""
-    problem = probe(store) if store is not None else ""
-    if problem:
-        raise UserError(f"storage.uri {store.uri}: cannot write and read back an object ({problem}); check that the "
-                        "bucket exists, the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) and "
-                        "storage.endpoint_url")
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-@dataclass(frozen=True)
-class RunStorage:
-    """Where this run's files live: `run_dir`, and the bucket of record when the run has one.
-
-    A plain, picklable value that the runner builds once (`RunStorage.of(cfg)`) and hands to the
-    stage (`ctx.storage`), which passes it explicitly to every worker it creates (Ray Train's loop
-    config, the PPO ranks' and rollout engines' constructors, Tune trials). Workers never learn
-    about the store from the environment, so a Ray instance or actor that predates the run cannot
-    miss it.
-    """
-
-    run_dir: Path
-    uri: str | None = None
-    endpoint_url: str | None = None
-    region: str | None = None
-
-    @classmethod
-    def of(cls, cfg) -> "RunStorage":
-        s = cfg.storage
-        return cls(Path(cfg.run_dir), s.uri, s.endpoint_url, s.region)
-
-    @cached_property
-    def store(self) -> ObjectStore | None:
-        return ObjectStore(self.uri, self.endpoint_url, self.region) if self.uri else None
-
-    @cached_property
-    def artifacts(self) -> ArtifactStore:
-        """The artifact store over this run_dir and bucket (one per process)."""
-        return ArtifactStore(self.run_dir, self.store)
-
-    def __getstate__(self) -> dict:  # the cached S3 client and store stay behind; each process makes its own
-        return {k: getattr(self, k) for k in ("run_dir", "uri", "endpoint_url", "region")}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-
-    def _in_store(self, path: str | Path) -> tuple[ObjectStore, str] | None:
-        """(store, path relative to run_dir) when the run has a store and `path` lies in run_dir."""
-        if self.store is None:
-            return None
-        try:
-            return self.store, str(Path(path).relative_to(self.run_dir))
-        except ValueError:
-            return None
-
-    def localize(self, path: str | Path) -> Path:
-        """`path` on this node: pulled from the store first when it is part of an artifact this node lacks.
-
-        Call it in worker processes before opening an input (a model directory): on a multi-node
-        cluster without a shared run_dir, the driver's artifacts exist on this node only once pulled."""
-        path = Path(path)
-        if path.exists() or self.store is None:
-            return path
-        found = artifact_of(path, self.run_dir)
-        if found is None or self.artifacts.pull(found[0], found[1]) is None:
-            raise FileNotFoundError(f"{path} is neither on this node nor in {self.store.uri}")
-        return path
-
-    def target(self, path: str | Path) -> tuple[str, object | None]:
-        """(path, pyarrow filesystem) under which Ray Data and Ray Train should address `path`.
-
-        A path inside run_dir maps to the same place in the bucket when the run has a store (reads
-        and checkpoints then work from any node), a path inside a finished artifact to its current
-        copy there; anything else stays a local path (filesystem None)."""
-        found = self._in_store(path)
-        if found is None:
-            return str(path), None
-        store, rel = found
-        art = artifact_of(path, self.run_dir)
-        if art is not None:
-            stage, key, inner = art
-            manifest, problem = self.artifacts.remote(stage, key)
-            if manifest is None:
-                raise StorageError(f"{path}: artifact {stage}/{key} has no good copy in {store.uri}"
-                                   f"{f' ({problem})' if problem else ''}")
-            rel = str(Path(artifact_rel(stage, key)) / manifest["copy"] / inner)
-        return store.path(rel), store.fs
-
-    def push_path(self, path: str | Path) -> int:
-        """Upload a file or directory of run_dir to the same place in the bucket; bytes sent (0 without a store).
-
-        For checkpoints written outside Ray Train (the PPO stage's): each process pushes what it wrote."""
-        found = self._in_store(path)
-        path = Path(path)
-        if found is None or not path.exists():
-            return 0
-        store, rel = found
-        if path.is_file():
-            store.upload_file(path, rel)
-            return path.stat().st_size
-        return store.upload_dir(path, rel)
-
-    def pull_path(self, path: str | Path) -> int:
-        """Download a file or directory of run_dir from the bucket where this node lacks it (or holds other
-        bytes); bytes received (0 without a store). Serialised per path: ranks on one node share one download."""
-        found = self._in_store(path)
-        if found is None:
-            return 0
-        store, rel = found
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{path.name}.pull.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if store.files(rel):  # a directory
-                return store.download_dir(rel, path, skip_same=True)
-            data = store.read_bytes(rel)  # a file (or nothing)
-            if data is None or (path.is_file() and path.read_bytes() == data):
-                return 0
-            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-            return len(data)
-
-    def drop_path(self, path: str | Path) -> None:
-        """Remove a directory of run_dir from the bucket too (old checkpoints); nothing without a store."""
-        found = self._in_store(path)
-        if found is not None:
-            found[0].delete_dir(found[1])
-
-    def write_parquet(self, ds, dest: Path) -> None:
-        """`ds.write_parquet(dest)`; with a store, through a scratch prefix of the bucket, then downloaded
-        into `dest` (and the scratch deleted).
-
-        Ray Data's write tasks run on any node: into a node-local run_dir they would scatter the files
-        over the nodes. The bucket is the one place every node reaches. The commit uploads the
-        artifact like any other."""
-        if self.store is None:
-            ds.write_parquet(str(dest))
-            return
-        scratch = f"scratch/{uuid.uuid4().hex}"
-        try:
-            ds.write_parquet(self.store.path(scratch), filesystem=self.store.fs)
-            self.store.download_dir(scratch, Path(dest))
-        finally:
-            self.store.delete_dir(scratch)

@@ -50,8 +50,8 @@ def test_editing_reporting_interface_or_runner_code_reruns_no_stage(tmp_path, mo
     ("stages/common/deepspeed.py", ["ppo", "reward", "serve", "sft", "tune"]),
     ("stages/ppo/rl.py", ["ppo", "serve"]),  # PPO's math: PPO and what serves its policy
     ("stages/common/tasks.py", sorted(["model", *AFTER_DATA])),  # the generated task (the model's tokenizer too)
-    ("pipeline/storage.py", ["serve"]),  # serve publishes through it; data only names its type
-    ("pipeline/layout.py", ["serve"]),  # the store's layout and manifest rules
+    ("pipeline/storage.py", ["ppo", "serve"]),  # serve publishes through it, ppo writes its checkpoint records with it
+    ("pipeline/swap.py", ["ppo", "serve"]),  # the store swaps directories in with it
 ])
 def test_editing_a_stages_code_reruns_it_and_what_is_downstream(tmp_path, monkeypatch, edited, rerun):
     assert _rekeyed(tmp_path, monkeypatch, edited) == rerun

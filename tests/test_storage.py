@@ -44,7 +44,7 @@ def node_storage(s3, tmp_path, request):
     Pickled and unpickled, as Ray ships it to an actor."""
     import pickle
 
-    from pipeline.storage import RunStorage
+    from pipeline.run_storage import RunStorage
 
     store = s3.store(request.node.name)
     value = RunStorage(tmp_path / "node", store.uri, store.endpoint_url, store.region)
@@ -62,7 +62,8 @@ def test_a_storage_failure_is_an_error_never_missing(tmp_path):
     the cache check and a checkpoint pull fail, naming the object, instead of redoing or resuming
     from nothing."""
     from pipeline.errors import StorageError
-    from pipeline.storage import ArtifactStore, ObjectStore, probe
+    from pipeline.bucket import probe
+    from pipeline.storage import ArtifactStore, ObjectStore
 
     store = ArtifactStore(tmp_path, ObjectStore("s3://pipeline-test/x", "http://127.0.0.1:9", "us-east-1"))
     with pytest.raises(StorageError, match="cannot read s3://pipeline-test/x/artifacts/sft/k/manifest.json"):
@@ -223,7 +224,7 @@ def test_an_etag_that_is_not_an_s3_etag_is_a_storage_error(s3, tmp_path, monkeyp
 def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
     """Without an atomic exchange (some filesystems), the swap is two renames: if the second fails the
     old copy is put back, and a process killed between them has its old copy restored at lookup."""
-    from pipeline import layout
+    from pipeline import swap
     from pipeline.storage import ArtifactStore
 
     def no_exchange(a, b):
@@ -235,7 +236,7 @@ def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
     work = store.begin("sft", "k")
     (work / "model").mkdir()
     (work / "model" / "weights.bin").write_bytes(b"new")
-    monkeypatch.setattr(layout, "_exchange", no_exchange)
+    monkeypatch.setattr(swap, "_exchange", no_exchange)
     real = os.replace
 
     def second_rename_fails(src, dst):
@@ -243,10 +244,10 @@ def test_the_local_swap_never_leaves_the_artifact_absent(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real(src, dst)
 
-    monkeypatch.setattr(layout.os, "replace", second_rename_fails)
+    monkeypatch.setattr(swap.os, "replace", second_rename_fails)
     with pytest.raises(OSError, match="No space left"):
         store.commit("sft", "k", {"outputs": {"model": "model"}})
-    monkeypatch.setattr(layout.os, "replace", real)
+    monkeypatch.setattr(swap.os, "replace", real)
     assert store.manifest("sft", "k") == before
     assert (store.local_dir("sft", "k") / "model" / "weights.bin").read_bytes() == b"old"
 

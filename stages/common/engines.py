@@ -143,7 +143,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.3
     num_cpus: float = 1.0
     env: dict[str, str] = field(default_factory=dict)
-    storage: Any = None  # the run's pipeline.storage.RunStorage, for an engine that pulls its model (None: local)
+    storage: Any = None  # the run's pipeline.run_storage.RunStorage, for an engine that pulls its model (None: local)
 
     def runtime_env(self) -> dict:
         # Read by vLLM at import and engine start, so they must be in the actor's environment.

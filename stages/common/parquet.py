@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.storage import RunStorage
+    from pipeline.run_storage import RunStorage
 
 ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
 RAY_DEFAULT_READERS = 32

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from stages.common.deepspeed import TrainingConfig, backend, device_env
 
 if TYPE_CHECKING:
-    from pipeline.storage import RunStorage
+    from pipeline.run_storage import RunStorage
 
 STATE_FILE = "trainer_state.json"
 DS_TAG = "ds"

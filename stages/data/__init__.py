@@ -35,7 +35,7 @@ from stages.data.steps import COLUMNS, Tokenize, count_by, first_row, pack_batch
 
 if TYPE_CHECKING:  # annotations only: the data stage's key does not cover the storage code
     from pipeline.stage import StageContext
-    from pipeline.storage import RunStorage
+    from pipeline.run_storage import RunStorage
 
 
 # The generated task's default row counts per kind, used when the config gives no sources at all.

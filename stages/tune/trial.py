@@ -32,7 +32,7 @@ class TrialContext:
     checkpoint_dir: Path
     inputs: dict[str, Path]
     run_id: str
-    storage: Any  # pipeline.storage.RunStorage
+    storage: Any  # pipeline.run_storage.RunStorage
     experiment_id: str
     pipeline_run_id: str
     upstream: dict[str, dict] = field(default_factory=dict)
