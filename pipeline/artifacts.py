@@ -14,8 +14,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +28,6 @@ REPORTING = frozenset({"pipeline.events", "pipeline.console", "pipeline.progress
 
 
 # --------------------------------------------------------------------------- hashing
-
-
 
 
 def hash_json(data: Any, length: int = 16) -> str:

@@ -17,18 +17,7 @@ from pathlib import Path
 
 from pipeline.bucket import ObjectStore
 from pipeline.errors import StorageError
-from pipeline.storage import ARTIFACTS, ArtifactStore, artifact_rel
-
-
-def artifact_of(path: str | Path, run_dir: Path) -> tuple[str, str, Path] | None:
-    """(stage, key, path inside the artifact) of a path in run_dir's finished artifacts, else None."""
-    try:
-        parts = Path(path).relative_to(Path(run_dir) / ARTIFACTS).parts
-    except ValueError:
-        return None
-    if len(parts) < 2 or parts[1].startswith("."):  # staging and set-aside copies are not artifacts
-        return None
-    return parts[0], parts[1], Path(*parts[2:]) if len(parts) > 2 else Path()
+from pipeline.storage import ArtifactStore, artifact_of, artifact_rel
 
 
 @dataclass(frozen=True)

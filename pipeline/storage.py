@@ -134,6 +134,17 @@ def checkpoint_dir(run_dir: Path, stage: str, key: str) -> Path:
     return Path(run_dir) / "checkpoints" / stage / key
 
 
+def artifact_of(path: str | Path, run_dir: Path) -> tuple[str, str, Path] | None:
+    """(stage, key, path inside the artifact) of a path in run_dir's finished artifacts, else None."""
+    try:
+        parts = Path(path).relative_to(Path(run_dir) / ARTIFACTS).parts
+    except ValueError:
+        return None
+    if len(parts) < 2 or parts[1].startswith("."):  # staging and set-aside copies are not artifacts
+        return None
+    return parts[0], parts[1], Path(*parts[2:]) if len(parts) > 2 else Path()
+
+
 def output_paths(manifest: dict, out_dir: Path) -> dict[str, Path]:
     """Outputs recorded relative to the artifact dir resolve against it; external paths stay."""
     return {name: (out_dir / p) if not Path(p).is_absolute() else Path(p) for name, p in manifest["outputs"].items()}
