@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 EXTRA ?= cpu
 
-.PHONY: setup run test test-fast bench bench-learning image-check
+.PHONY: setup run test test-all test-fast bench bench-learning image-check
 
 setup:
 	EXTRA=$(EXTRA) bash scripts/setup.sh
@@ -12,10 +12,17 @@ setup:
 run: setup
 	$(PY) -m pipeline run configs/full.yaml
 
-# Every run prints its wall time against the budget, the time per module and the 15 slowest tests
-# (docs/development.md: budgets and the rule a feature's tests follow).
+# Every run prints the machine's calibration, its wall time raw and normalised against the budget, the time
+# per module, each module's starts and the 15 slowest tests (docs/development.md: budgets, tiers, the rule a
+# feature's tests follow).
+# `make test` (CI): the base tier, and each tiered scenario whose covered code changed since the recorded full
+# pass (tests/full_pass.json); the ones left out are listed with the reason.
 test: setup
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest --tiers=changed --durations=15
+
+# Every test; on a clean checkout that passes, records the commit in tests/full_pass.json (commit that file).
+test-all: setup
+	$(PY) -m pytest --tiers=all --record-full-pass --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --durations=15

@@ -111,4 +111,7 @@ Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, P
 
 
 if __name__ == "__main__":
+    import machine  # bench/machine.py: the machine's speed, printed before any figure
+
+    machine.announce()
     main()

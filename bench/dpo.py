@@ -94,4 +94,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import machine  # bench/machine.py: the machine's speed, printed before any figure
+
+    machine.announce()
     main()

@@ -140,4 +140,7 @@ of {per_row * sft.micro_batch_size} rows (as many conversations)
 
 
 if __name__ == "__main__":
+    import machine  # bench/machine.py: the machine's speed, printed before any figure
+
+    machine.announce()
     main()

@@ -273,4 +273,7 @@ def medians(runs: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
+    import machine  # bench/machine.py: the machine's speed, printed before any figure
+
+    machine.announce()
     main()

@@ -210,4 +210,7 @@ def copy_upstream(run_dir: Path, other: Path) -> None:
 
 
 if __name__ == "__main__":
+    import machine  # bench/machine.py: the machine's speed, printed before any figure
+
+    machine.announce()
     main()

@@ -240,4 +240,7 @@ PPO iteration at this size (the ppo settings of configs/recipes/verifier.yaml; m
 
 
 if __name__ == "__main__":
+    import machine  # bench/machine.py: the machine's speed, printed before any figure
+
+    machine.announce()
     main()

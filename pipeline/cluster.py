@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline import events
 from pipeline.console import capture_ray_logs
 from pipeline.tracking import cluster_store_problem, credentials_env
 
@@ -89,6 +90,7 @@ def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda messag
             # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
             include_dashboard=True,
         )
+        events.record_start("ray", detail="local")
         _record_local_session()
         capture_ray_logs()
     return True

@@ -17,6 +17,7 @@ reports, it never computes a stage's result.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any, Callable
@@ -39,6 +40,31 @@ def advance(task: str, done: int | None = None, total: int | None = None, unit: 
     event: dict[str, Any] = {"task": task, "total": total, "unit": unit, "note": note}
     event.update({"by": by} if by is not None else {"done": done})
     _send(event)
+
+
+# What `record_start` counts: the starts that cost seconds each on a small machine.
+START_KINDS = ("pipelines", "ray", "train_groups", "vllm_engines", "serve_deployments")
+START_LEDGER = "PIPELINE_START_LEDGER"
+
+
+def record_start(kind: str, count: int = 1, detail: str = "") -> None:
+    """Note a costly start (a pipeline run, a local Ray, a Train worker group, a vLLM engine, a Serve
+    deployment) in the file PIPELINE_START_LEDGER names, if set: one line each, appended whole, from any
+    process of the run (Ray's processes inherit the variable). The test suite sets it to hold each test
+    module to the starts it declares (tests/helpers/starts.py); anyone can set it to see what a command
+    starts. Never raises: a count is not worth a run."""
+    path = os.environ.get(START_LEDGER)
+    if not path or count <= 0:
+        return
+    line = json.dumps({"t": time.time(), "kind": kind, "n": count, "pid": os.getpid(), "detail": detail}) + "\n"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # O_APPEND: one write, one whole line
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def set_sink(sink: Callable[[dict], None] | None) -> None:

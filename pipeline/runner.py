@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import artifacts, outcomes, storage
+from pipeline import artifacts, events, outcomes, storage
 from pipeline.run_storage import RunStorage
 from pipeline import console as console_mod
 from pipeline.bucket import check as check_bucket
@@ -291,6 +291,7 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     finished when a stage fails.
     """
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
+    events.record_start("pipelines", detail=str(cfg.run_dir))
     run_storage = RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
     store = run_storage.artifacts  # the one artifact store of this run: planner, runner, workers' pulls
     check_bucket(store.bucket)

@@ -244,6 +244,9 @@ def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
     )
     # Rows that failed skip `postprocess` (Ray Data LLM returns their whole processor row instead), so
     # the postprocess only picks the columns `result` reads, and `result` runs on every row afterwards.
+    from pipeline import events
+
+    events.record_start("vllm_engines", count=cfg.concurrency, detail="batch inference")
     return build_processor(config, preprocess=partial(request, cfg=cfg), postprocess=_outputs)
 
 

@@ -15,6 +15,9 @@ import pytest
 
 from conftest import CLI_RUN, ROOT, SMOKE, run_cli
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 4, "ray": 2}
+
 pytestmark = pytest.mark.slow
 
 
@@ -204,6 +207,8 @@ def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.tier("faults", covers=(
+    "pipeline/runner.py", "pipeline/storage.py", "pipeline/swap.py", "pipeline/__main__.py"))
 def test_killed_run_leaves_no_artifact_and_the_rerun_completes(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", "--to", "data"], cwd=ROOT,

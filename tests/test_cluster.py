@@ -18,7 +18,12 @@ from helpers.cluster import TwoNodeCluster, end_tree, free_port, wait_for
 from helpers.mlflow_server import mlflow_server
 from helpers.s3 import CREDENTIALS, S3Server
 
-pytestmark = pytest.mark.slow
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 5, "ray": 2, "train_groups": 3}
+
+pytestmark = [pytest.mark.slow, pytest.mark.tier("faults", covers=(
+    "pipeline/cluster.py", "pipeline/jobs.py", "pipeline/run_storage.py", "pipeline/bucket.py",
+    "pipeline/tracking.py", "stages/common/training.py"))]
 
 # Short SFT with frequent checkpoints, workers on different nodes.
 SFT = ["--to", "sft", "stages.sft.placement_strategy=STRICT_SPREAD", "stages.sft.checkpoint_every=3"]

@@ -18,6 +18,9 @@ from stages.common.evaluation import paired
 from stages.common.runs import find_policy
 from stages.compare import shared_prompts, shared_task
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"ray": 1, "vllm_engines": 2}
+
 
 def test_a_policy_is_found_by_run_directory_stage_or_artifact_directory(tmp_path):
     run = fake_run(tmp_path / "run", {"sft": "2026-11-28T10:00", "ppo": "2026-11-28T11:00"}, ["a", "b"])
@@ -113,6 +116,7 @@ def test_the_command_refuses_a_pair_on_different_prompts_with_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=("stages/compare.py", "stages/common/engines.py"))
 def test_compare_pairs_the_sft_and_ppo_policies_of_a_run_and_logs_to_mlflow(smoke_trained, tmp_path):
     from mlflow.tracking import MlflowClient
 

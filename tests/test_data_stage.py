@@ -15,6 +15,9 @@ from pipeline.errors import DataError
 from pipeline.runner import build_plan, run_pipeline
 from stages.common import tasks
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 14}
+
 
 @pytest.fixture(scope="module")
 def run_dir(smoke_upstream, tmp_path_factory):

@@ -11,7 +11,11 @@ from conftest import SMOKE, smoke_config
 from pipeline import storage
 from pipeline.runner import run_pipeline
 
-pytestmark = pytest.mark.slow
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 3, "train_groups": 2, "vllm_engines": 4}
+
+pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
+    "stages/common/lora.py", "stages/sft.py", "stages/reward.py", "stages/ppo/"))]
 
 # LoRA everywhere; adapters learn at larger learning rates than full fine-tuning. PPO uses the toy
 # reward of tests/test_ppo_stage.py (share of digits) without the reward model, to keep it short.

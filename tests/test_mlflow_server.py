@@ -15,7 +15,10 @@ from conftest import SMOKE, run_cli
 from helpers.cluster import free_port
 from helpers.mlflow_server import server_process
 
-pytestmark = pytest.mark.slow
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 1}
+
+pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=("pipeline/ui.py", "pipeline/tracking.py"))]
 
 
 def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_path):

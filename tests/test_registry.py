@@ -11,6 +11,9 @@ import pytest
 
 from conftest import ROOT, SMOKE
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 2}
+
 
 def _imports(path) -> list[tuple[int, str]]:
     """Every module a file imports, `if TYPE_CHECKING:` blocks and function bodies included."""

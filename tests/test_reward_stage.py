@@ -13,6 +13,9 @@ from conftest import SMOKE, smoke_config
 from pipeline import storage
 from pipeline.runner import run_pipeline
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 1, "train_groups": 2}
+
 
 @pytest.mark.slow
 def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained):
@@ -55,6 +58,7 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained):
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=("stages/reward.py", "stages/common/train_loop.py", "stages/common/training.py"))
 def test_reward_model_learns_a_held_out_preference(ray_local, smoke_upstream, tmp_path, tracking_uri):
     import torch
     from mlflow.tracking import MlflowClient

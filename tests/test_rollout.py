@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"vllm_engines": 4}
+
 pytestmark = pytest.mark.slow
 
 
@@ -65,6 +68,7 @@ def _logprob_mismatch(engine, model, prompts: list[list[int]]) -> dict[str, floa
     return rl.logprob_mismatch(trainer, engine_lp, batch["response_mask"])
 
 
+@pytest.mark.tier("faults", covers=("stages/common/engines.py", "stages/ppo/roles.py"))
 def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, model_dir):
     import copy
 

@@ -16,6 +16,9 @@ import pytest
 from conftest import ROOT, SMOKE
 from helpers.procs import watched
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 2, "ray": 2, "train_groups": 1}
+
 pytestmark = pytest.mark.slow
 
 ENV = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, not the session's
@@ -33,6 +36,7 @@ def test_the_shared_cli_run_left_no_process_running(smoke_cli):
     assert result.left_running == {}
 
 
+@pytest.mark.tier("faults", covers=("pipeline/cluster.py", "stages/common/training.py"))
 def test_a_worker_whose_exit_blocks_is_ended_with_the_run(tmp_path):
     """The orphan of issue 48: an actor told to exit (as Ray Train's controller is when its handle goes, or
     on abort) whose exit then blocks. Its raylet no longer kills it and it no longer watches its raylet, so
@@ -47,6 +51,8 @@ def test_a_worker_whose_exit_blocks_is_ended_with_the_run(tmp_path):
         run.end_left_running()
 
 
+@pytest.mark.tier("faults", covers=(
+    "pipeline/__main__.py", "pipeline/runner.py", "pipeline/cluster.py", "stages/common/training.py"))
 def test_ctrl_c_during_sft_exits_130_and_ends_every_process(smoke_upstream, tmp_path):
     """Ctrl-C while Ray Train trains: Ray Train's own SIGINT handler used to abort the controller, which the
     driver saw as SystemExit(1) from ray.get (exit 1); now the run is interrupted as any other stage is."""

@@ -24,6 +24,9 @@ from stages.ppo.sandbox import cgroup, harness, tiers
 from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
 from helpers.sandbox_tiers import WORKING
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 1}
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = [json.loads(line) for line in (Path(__file__).parent / "helpers" / "mbpp_sample.jsonl").open()]
 ADD = SAMPLE[0]
@@ -296,6 +299,7 @@ def test_extract_code_keeps_the_regex_behaviour():
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=("stages/ppo/sandbox/", "stages/ppo/rewards.py", "stages/ppo/roles.py"))
 def test_a_ppo_stage_running_model_code_refuses_a_weak_sandbox_before_training(smoke_upstream, tmp_path):
     """From the command line, as a user meets it: code_tests on a machine where only rlimits works stops the
     stage at its start (exit 2, before Ray or any engine), naming the tier, the fix and the opt-in key."""

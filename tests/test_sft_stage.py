@@ -15,6 +15,9 @@ from conftest import SMOKE, TRAINED, smoke_config
 from pipeline import storage
 from pipeline.runner import run_pipeline
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 3, "ray": 3, "train_groups": 3, "vllm_engines": 3}
+
 FAST = list(TRAINED)  # the shared trained run's SFT settings: its ZeRO-2 run is a cache hit here
 
 
@@ -77,6 +80,8 @@ def zero_runs(smoke_trained, tmp_path_factory, tracking_uri):
 
 
 @pytest.mark.slow
+@pytest.mark.tier("e2e", covers=(
+    "stages/sft.py", "stages/common/deepspeed.py", "stages/common/training.py", "stages/common/train_loop.py"))
 def test_zero_stages_give_the_same_loss_trajectory_and_an_interrupted_run_resumes(zero_runs, smoke_trained,
                                                                                   tracking_uri):
     runs, interrupted, finished, run_dir = zero_runs

@@ -12,7 +12,12 @@ from rich.console import Console
 from conftest import SMOKE, TRAINED, smoke_config
 from pipeline.runner import run_pipeline
 
-pytestmark = pytest.mark.slow
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 1, "vllm_engines": 5}
+
+pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
+    "stages/ppo/episodes.py", "stages/ppo/environments.py", "stages/ppo/sandbox/", "stages/ppo/rollouts.py",
+    "stages/common/engines.py"))]
 
 
 @pytest.fixture(scope="module")

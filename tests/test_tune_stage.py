@@ -12,7 +12,11 @@ from conftest import SMOKE, smoke_config
 from pipeline import storage
 from pipeline.runner import run_pipeline
 
-pytestmark = pytest.mark.slow
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 2, "train_groups": 4}
+
+pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
+    "stages/tune/", "stages/sft.py", "stages/common/train_loop.py"))]
 # The bad learning rate comes last and starts only when a slot frees up: ASHA keeps whichever trial
 # reaches a rung first, so the worst one is stopped reliably once better trials have recorded theirs.
 # Three trials, two at a time: a trial is CPU-bound start-up on 2 cores, so more only cost time.

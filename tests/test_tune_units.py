@@ -12,6 +12,9 @@ from pipeline.errors import ConfigError
 from pipeline.runner import build_plan
 from stages.tune import best_trial, last_reported, trial_count, trial_status
 
+# The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
+STARTS = {"pipelines": 4}
+
 SWEEP = ["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[1.0e-4, 1.0e-2]"]
 
 

@@ -168,7 +168,10 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str, spec: EngineSpec, index: int):
         born = time.time()
+        from pipeline import events
         from stages.common.startup import lean_imports
+
+        events.record_start("vllm_engines", detail=f"engine {index}")
 
         lean_imports()  # before vLLM loads transformers (stages/common/startup.py)
         import torch

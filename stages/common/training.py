@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from pipeline import events
 from stages.common.deepspeed import TrainingConfig, backend, device_env
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def fit_and_end_controller(trainer):
     returns or raises (`ray.kill`: no graceful exit to block; its workers, which it owns, go with it)."""
     import ray
 
+    events.record_start("train_groups", detail=f"{getattr(getattr(trainer, 'scaling_config', None), 'num_workers', '?')} worker(s)")
     controllers: list = []
     trainer._register_sigint_handler = controllers.append  # called with the controller, on the main thread only
     try:

@@ -298,6 +298,9 @@ class Server:
                              name="serve-deploy-progress", daemon=True).start()
         try:
             self.deployed = True
+            from pipeline import events
+
+            events.record_start("serve_deployments", detail=f"{self.cfg.replicas} replica(s)")
             serve.run(app, name=APP, route_prefix="/")  # returns once every replica is RUNNING
         except BaseException:
             self.__exit__()

@@ -101,6 +101,9 @@ class TwoNodeCluster:
                 f"--min-worker-port={first}", f"--max-worker-port={first + 999}"]
 
     def _start(self, args: list[str], log: str) -> None:
+        from pipeline.events import record_start
+
+        record_start("ray", detail=f"ray start ({log})")  # each node counts: each is a Ray start (helpers/starts.py)
         out = open(self.tmp / log, "w")
         self.procs.append(subprocess.Popen([str(VENV_BIN / "ray"), "start", *args], env=self.env, stdout=out,
                                            stderr=subprocess.STDOUT, start_new_session=True))
