@@ -195,6 +195,28 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def cli_in_process(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m pipeline ARGS` as its `main(argv)` in this process, output read through `capfd`: for a
+    command's error paths, where no process behaviour (signals, child processes, exit) is under test. A fresh
+    interpreter costs seconds of imports; this costs milliseconds. The router `run` installs is removed after."""
+    from pipeline import console
+    from pipeline.__main__ import main
+
+    capfd.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        router = console.current()
+        if router is not None:
+            router.out.flush()
+            router.err.flush()
+        console.install(None)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["pipeline", *args], code, out, err)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for in-process stage tests (the runner reuses it and leaves it running)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLI_RUN, ROOT, SMOKE, run_cli
+from conftest import CLI_RUN, ROOT, SMOKE, cli_in_process, run_cli
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
 STARTS = {"pipelines": 4, "ray": 2}
@@ -200,8 +200,8 @@ def test_the_mlflow_ui_lists_each_run_with_its_outcomes_and_its_stages(finished_
     assert f">{int(shown) if shown == int(shown) else repr(shown)}<" in dom
 
 
-def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path):
-    result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "--only", "data")
+def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path, capfd):
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "--only", "data")
     assert result.returncode == 2
     assert "needs the output of stage 'model'" in result.stderr
     assert "Traceback" not in result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from conftest import ROOT, SMOKE, run_cli, smoke_config
+from conftest import ROOT, SMOKE, cli_in_process, smoke_config
 from pipeline.config import PipelineConfig, load_config, reference, subsection
 from pipeline.errors import ConfigError
 
@@ -84,17 +84,17 @@ def test_missing_config_file(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_cli_user_error_exits_2_without_traceback_and_writes_nothing(tmp_path):
+def test_cli_user_error_exits_2_without_traceback_and_writes_nothing(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "stages.data.max_len=-5")
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={run_dir}", "stages.data.max_len=-5")
     assert result.returncode == 2
     assert "stages.data.max_len" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not run_dir.exists()
 
 
-def test_cli_unknown_stage_exits_2(tmp_path):
-    result = run_cli("plan", str(SMOKE), f"run_dir={tmp_path}", "--only", "sftt")
+def test_cli_unknown_stage_exits_2(tmp_path, capfd):
+    result = cli_in_process(capfd, "plan", str(SMOKE), f"run_dir={tmp_path}", "--only", "sftt")
     assert result.returncode == 2
     assert "unknown stage 'sftt'" in result.stderr and "model, data" in result.stderr
 
@@ -126,11 +126,11 @@ def test_all_sections_reject_unknown_keys():
     walk(PipelineConfig)
 
 
-def test_flags_and_overrides_mix_in_any_order(tmp_path):
-    result = run_cli("plan", str(SMOKE), "--only", "model,data", f"run_dir={tmp_path}", "stages.data.max_len=70")
+def test_flags_and_overrides_mix_in_any_order(tmp_path, capfd):
+    result = cli_in_process(capfd, "plan", str(SMOKE), "--only", "model,data", f"run_dir={tmp_path}", "stages.data.max_len=70")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("miss") == 2
-    bad = run_cli("plan", str(SMOKE), "--only", "model", "stray")
+    bad = cli_in_process(capfd, "plan", str(SMOKE), "--only", "model", "stray")
     assert bad.returncode == 2 and "unrecognized arguments: stray" in bad.stderr
 
 
@@ -145,8 +145,8 @@ def test_cross_field_and_encoding_errors(tmp_path):
         load_config(binary)
 
 
-def test_unreachable_tracking_server_is_a_user_error(tmp_path):
-    result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "mlflow.tracking_uri=http://127.0.0.1:1")
+def test_unreachable_tracking_server_is_a_user_error(tmp_path, capfd):
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "mlflow.tracking_uri=http://127.0.0.1:1")
     assert result.returncode == 2 and "mlflow.tracking_uri: cannot reach" in result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -198,8 +198,8 @@ def test_serve_can_be_dropped_like_any_stage(tmp_path, capsys):
     (("stages.tune={target: reward, search_space: {lr: {choice: [0.001]}}}", "stages.reward=null",
       "stages.ppo.rewards.model_weight=0"), "stages.tune.target is reward but stages.reward is null"),
 ])
-def test_graphs_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides, message):
-    result = run_cli("validate", str(SMOKE), f"run_dir={tmp_path}", *overrides)
+def test_graphs_that_cannot_work_are_refused_naming_the_key(tmp_path, overrides, message, capfd):
+    result = cli_in_process(capfd, "validate", str(SMOKE), f"run_dir={tmp_path}", *overrides)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "artifacts").exists()
 

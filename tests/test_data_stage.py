@@ -16,7 +16,7 @@ from pipeline.runner import build_plan, run_pipeline
 from stages.common import tasks
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
-STARTS = {"pipelines": 14}
+STARTS = {"pipelines": 10}
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +121,28 @@ def _write_user_files(tmp_path):
     return sft, pref, prompts
 
 
-def test_user_files_with_bad_rows_dropped_and_counted(ray_local, run_dir, tracking_uri, tmp_path):
+def _write_malformed(tmp_path):
+    """20 valid SFT rows and, on line 3, a line that is not JSON."""
+    bad = tmp_path / "broken.jsonl"
+    good = [json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) for i in range(20)]
+    bad.write_text("\n".join([*good[:2], '{"prompt": oops}', *good[2:]]) + "\n")
+    return bad
+
+
+def test_user_files_with_bad_rows_and_malformed_lines_dropped_and_counted(ray_local, run_dir, tracking_uri, tmp_path):
+    """One data run for every kind's user files (issue 58: the user-file scenarios share their runs): invalid
+    rows, a duplicate and a line that is not JSON are dropped and counted, the rest written."""
     sft, pref, prompts = _write_user_files(tmp_path)
+    broken = _write_malformed(tmp_path)
     unpaired = tmp_path / "unpaired.jsonl"  # KTO's data: completions labelled desirable or undesirable
     unpaired.write_text("".join(json.dumps({"prompt": f"What is {i} + 5?", "completion": str(i + 5 + i % 2),
                                             "label": i % 2 == 0}) + "\n" for i in range(6)))
-    outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]",
+    outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}, {broken}]",
                           f"stages.data.sources.preference=[{pref}, {unpaired}]",
                           f"stages.data.sources.prompts=[{prompts}]", "stages.data.eval_fraction=0.3")
-    assert (m["sft_rows_bad"], m["sft_rows_duplicate"], m["sft_train_rows"] + m["sft_eval_rows"]) == (2, 1, 20)
+    # sft.jsonl: 2 invalid rows and 1 duplicate of its 20; broken.jsonl: 1 line that is not JSON of its 20
+    assert (m["sft_rows_bad"], m["sft_rows_duplicate"], m["sft_train_rows"] + m["sft_eval_rows"]) == (3, 1, 40)
+    assert m["sft_rows_bad_invalid_json"] == 1
     assert (m["preference_rows_bad"], m["preference_train_rows"] + m["preference_eval_rows"]) == (1, 26)
     meta = json.loads((outputs["preference_data"] / "meta.json").read_text())
     assert m["preference_train_unpaired"] + m["preference_eval_unpaired"] == sum(meta["unpaired"].values()) == 6
@@ -156,12 +169,8 @@ def test_fail_mode_names_the_file_and_line(ray_local, run_dir, tracking_uri, tmp
         run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]", "stages.data.on_bad_rows=fail")
 
 
-def test_a_malformed_line_is_a_bad_row_and_fail_mode_names_it(ray_local, run_dir, tracking_uri, tmp_path):
-    bad = tmp_path / "broken.jsonl"
-    good = [json.dumps({"prompt": f"q{i}", "response": f"a{i}"}) for i in range(20)]
-    bad.write_text("\n".join([*good[:2], '{"prompt": oops}', *good[2:]]) + "\n")
-    _, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{bad}]", "stages.data.eval_fraction=0.3")
-    assert (m["sft_rows_bad"], m["sft_rows_bad_invalid_json"], m["sft_train_rows"] + m["sft_eval_rows"]) == (1, 1, 20)
+def test_fail_mode_names_a_malformed_line(ray_local, run_dir, tracking_uri, tmp_path):
+    bad = _write_malformed(tmp_path)  # dropped and counted in the shared user-files run above
     with pytest.raises(DataError, match=rf"{bad}: line 3: invalid JSON"):
         run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{bad}]", "stages.data.on_bad_rows=fail")
 
@@ -207,14 +216,23 @@ def _fifty_conversations():
     return [("Answer in one word.", f"Name colour number {i}?", f"colour{i}") for i in range(50)]
 
 
-def test_the_same_conversations_in_every_format_write_the_same_parquet(ray_local, run_dir, tracking_uri, tmp_path):
-    """OpenAI messages (JSON Lines, gzipped), ShareGPT (a directory of Parquet shards) and Alpaca (CSV)
-    are recognised by their columns and become identical datasets; a user's data is not topped up
-    with generated arithmetic; rows that cannot be used are dropped and counted per reason."""
+# The capital-city task of the eval-set scenario: training prompts, and the user's held-out set, two of
+# whose prompts are also in the training files.
+CAPITALS = [{"prompt": f"Capital of country {i}?", "answer": f"city{i}"} for i in range(30)]
+HELD_OUT = [{"question": f"Capital of country {i}?", "final": f"city{i}"} for i in (3, 7)] + \
+    [{"question": f"Capital of island {i}?", "final": f"port{i}"} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def user_formats(ray_local, run_dir, tracking_uri, tmp_path_factory):
+    """One data run (issue 58: the user-file scenarios share their runs) of the same 50 conversations in three
+    SFT formats, RL prompts saved by `datasets`, and the capital-city task with its own held-out set:
+    (data outputs, data metrics)."""
     import gzip
 
     import datasets
 
+    tmp_path = tmp_path_factory.mktemp("user_formats")
     convs = _fifty_conversations()
     messages = tmp_path / "chats.jsonl.gz"
     with gzip.open(messages, "wt") as f:
@@ -236,40 +254,43 @@ def test_the_same_conversations_in_every_format_write_the_same_parquet(ray_local
     datasets.DatasetDict({"test": datasets.Dataset.from_dict({
         "question": [u for _, u, _ in convs], "final": [r for _, _, r in convs], "level": list(range(50))})}
     ).save_to_disk(str(tmp_path / "rl"))
-    prompts = f"{{path: {tmp_path / 'rl'}, split: test, columns: {{prompt: question, answer: final}}}}"
+    rl = f"{{path: {tmp_path / 'rl'}, split: test, columns: {{prompt: question, answer: final}}}}"
+    capitals_sft = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+                    for r in CAPITALS]
+    for name, rows in (("capitals", CAPITALS), ("held_out", HELD_OUT), ("capitals_sft", capitals_sft)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = f"{{path: {tmp_path / 'held_out.jsonl'}, columns: {{prompt: question, answer: final}}}}"
+    return run_data(run_dir, tracking_uri, *UNSET_GENERATE,
+                    f"stages.data.sources.sft=[{messages}, {shards}, {alpaca}, {tmp_path / 'capitals_sft.jsonl'}]",
+                    f"stages.data.sources.prompts=[{rl}, {tmp_path / 'capitals.jsonl'}]",
+                    f"stages.data.sources.eval=[{held_out}]")
 
-    written, metrics = [], []
-    for sft in (messages, shards, alpaca):
-        outputs, m = run_data(run_dir, tracking_uri, f"stages.data.sources.sft=[{sft}]",
-                              f"stages.data.sources.prompts=[{prompts}]", *UNSET_GENERATE)
-        written.append([read(outputs["sft_data"] / s) for s in ("train", "eval")])
-        metrics.append(m)
-    assert written[0] == written[1] == written[2]
-    assert sum(map(len, written[0])) == 50 and all(written[0])
-    m = metrics[0]
+
+def test_the_same_conversations_in_every_format_write_the_same_rows(user_formats):
+    """OpenAI messages (JSON Lines, gzipped), ShareGPT (a directory of Parquet shards) and Alpaca (CSV)
+    are recognised by their columns and become identical rows (so the second and third copies are counted
+    as duplicates of the first, and 50 rows are written, not 100 or 150); a user's data is not topped up
+    with generated arithmetic; rows that cannot be used are dropped and counted per reason."""
+    outputs, m = user_formats
+    convs = _fifty_conversations()
+    users = {u for _, u, _ in convs}
+    sft = [r for split in ("train", "eval") for r in read(outputs["sft_data"] / split) if r["prompt"] in users]
+    assert len(sft) == 50 and {r["prompt"] for r in sft} == users
+    assert m["sft_rows_duplicate"] == 100  # each format's 50 rows are the same 50 rows
     assert (m["sft_rows_bad"], m["sft_rows_bad_invalid_json"], m["sft_rows_bad_non_text_content"]) == (2, 1, 1)
-    assert metrics[1]["sft_rows_bad"] == metrics[2]["sft_rows_bad"] == 0
     assert m["preference_train_rows"] + m["preference_eval_rows"] == 0  # nothing generated unasked
-    rl = read(outputs["prompt_data"] / "train") + read(outputs["prompt_data"] / "eval")
+    rl = [r for split in ("train", "eval") for r in read(outputs["prompt_data"] / split) if r["prompt"] in users]
     assert sorted((r["prompt"], r["answer"], json.loads(r["extra"])["level"]) for r in rl) == sorted(
         (u, r, i) for i, (_, u, r) in enumerate(convs))
 
 
-def test_a_users_eval_set_is_the_evaluation_and_kept_out_of_training(ray_local, run_dir, tracking_uri, tmp_path):
+def test_a_users_eval_set_is_the_evaluation_and_kept_out_of_training(user_formats):
     """`sources.eval`: the user's held-out prompts become the prompts' eval split exactly; a training row of
     any kind that shares a prompt with them is held out (sft to its eval split, RL prompts not written)."""
-    prompts = [{"prompt": f"Capital of country {i}?", "answer": f"city{i}"} for i in range(30)]
-    evals = [{"question": f"Capital of country {i}?", "final": f"city{i}"} for i in (3, 7)]  # also in training files
-    evals += [{"question": f"Capital of island {i}?", "final": f"port{i}"} for i in range(8)]
-    sft = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
-           for r in prompts]
-    for name, rows in (("prompts", prompts), ("eval", evals), ("sft", sft)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    outputs, m = run_data(run_dir, tracking_uri, *UNSET_GENERATE, f"stages.data.sources.prompts=[{tmp_path / 'prompts.jsonl'}]",
-                          f"stages.data.sources.sft=[{tmp_path / 'sft.jsonl'}]",
-                          f"stages.data.sources.eval=[{{path: {tmp_path / 'eval.jsonl'}, columns: {{prompt: question, answer: final}}}}]")
-    held = {r["question"] for r in evals}
+    outputs, m = user_formats
+    held = {r["question"] for r in HELD_OUT}
     assert {r["prompt"] for r in read(outputs["prompt_data"] / "eval")} == held
+    capitals = {r["prompt"] for r in CAPITALS}
     train = {r["prompt"] for r in read(outputs["prompt_data"] / "train")}
-    assert train == {r["prompt"] for r in prompts} - held and m["prompts_rows_in_eval_set"] == 2
+    assert train & capitals == capitals - held and m["prompts_rows_in_eval_set"] == 2
     assert not ({r["prompt"] for r in read(outputs["sft_data"] / "train")} & held)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, SMOKE, run_cli
+from conftest import ROOT, SMOKE, cli_in_process, run_cli
 from pipeline.events import START_LEDGER
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
@@ -28,8 +28,9 @@ def _json(result: subprocess.CompletedProcess) -> dict:
 # --------------------------------------------------------------------------- exit codes and preflight
 
 
-def test_config_error_exits_2_with_a_json_summary(tmp_path):
-    result = run_cli("run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "stages.sft.lr=-1", "--json")
+# The error paths below run the command in-process (`cli_in_process`): nothing about processes is under test.
+def test_config_error_exits_2_with_a_json_summary(tmp_path, capfd):
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={tmp_path / 'run'}", "stages.sft.lr=-1", "--json")
     assert result.returncode == 2
     summary = _json(result)
     assert summary["status"] == "config_error" and summary["exit_code"] == 2
@@ -37,29 +38,29 @@ def test_config_error_exits_2_with_a_json_summary(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_unwritable_run_dir_fails_before_any_work(tmp_path):
-    result = run_cli("run", str(SMOKE), "run_dir=/sys/pipeline-test-run")  # read-only even for root
+def test_unwritable_run_dir_fails_before_any_work(tmp_path, capfd):
+    result = cli_in_process(capfd, "run", str(SMOKE), "run_dir=/sys/pipeline-test-run")  # read-only even for root
     assert result.returncode == 2
     assert "run_dir /sys/pipeline-test-run: not writable" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_full_disk_fails_before_any_work(tmp_path):
+def test_full_disk_fails_before_any_work(tmp_path, capfd):
     run_dir = tmp_path / "run"
-    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "min_free_gb=1000000", "--json")
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={run_dir}", "min_free_gb=1000000", "--json")
     assert result.returncode == 2
     assert "GiB free on its filesystem, less than min_free_gb (1e+06 GiB)" in result.stderr
     assert _json(result)["status"] == "config_error"
     assert not (run_dir / "artifacts").exists() and not (run_dir / "mlflow.db").exists()
 
 
-def test_a_run_dir_held_by_another_run_exits_3(tmp_path):
+def test_a_run_dir_held_by_another_run_exits_3(tmp_path, capfd):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     with open(run_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         lock.write("4242\n")
         lock.flush()
-        result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--json")
+        result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={run_dir}", "--json")
     assert result.returncode == 3, result.stderr
     summary = _json(result)
     assert summary["status"] == "locked" and "another pipeline run (pid 4242)" in summary["error"]
@@ -205,8 +206,8 @@ def test_stop_fails_while_the_job_still_runs_and_wait_enforces_a_deadline(monkey
     assert "still running after the 0.1s deadline" in capsys.readouterr().out
 
 
-def test_submit_deadline_needs_wait(tmp_path):
-    result = run_cli("submit", str(SMOKE), f"run_dir={tmp_path / 'run'}", "--deadline", "60")
+def test_submit_deadline_needs_wait(tmp_path, capfd):
+    result = cli_in_process(capfd, "submit", str(SMOKE), f"run_dir={tmp_path / 'run'}", "--deadline", "60")
     assert result.returncode == 2 and "--deadline SECONDS needs --wait" in result.stderr
 
 
@@ -248,15 +249,15 @@ def test_a_local_tracking_file_is_refused_on_a_multi_node_cluster_only():
     assert cluster_store_problem("http://alice:pw@mlflow:5000", 3) is None
 
 
-def test_validate_of_a_config_joining_an_absent_cluster_says_what_it_could_not_check(tmp_path):
-    result = run_cli("validate", str(SMOKE), f"run_dir={tmp_path / 'run'}", "ray.address=127.0.0.1:9")
+def test_validate_of_a_config_joining_an_absent_cluster_says_what_it_could_not_check(tmp_path, capfd):
+    result = cli_in_process(capfd, "validate", str(SMOKE), f"run_dir={tmp_path / 'run'}", "ray.address=127.0.0.1:9")
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "could not ask the cluster how many nodes it has" in result.stdout
     assert "needs mlflow.tracking_uri set to a tracking server" in result.stdout
 
 
-def test_status_of_an_unreachable_cluster_is_a_clear_error():
-    result = run_cli("status", "pipeline-x", "--address", "http://127.0.0.1:9")
+def test_status_of_an_unreachable_cluster_is_a_clear_error(capfd):
+    result = cli_in_process(capfd, "status", "pipeline-x", "--address", "http://127.0.0.1:9")
     assert result.returncode == 2
     assert "no Ray dashboard answers there" in result.stderr and "Traceback" not in result.stderr
 

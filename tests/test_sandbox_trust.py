@@ -299,7 +299,6 @@ def test_extract_code_keeps_the_regex_behaviour():
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/ppo/sandbox/", "stages/ppo/rewards.py", "stages/ppo/roles.py"))
 def test_a_ppo_stage_running_model_code_refuses_a_weak_sandbox_before_training(smoke_upstream, tmp_path):
     """From the command line, as a user meets it: code_tests on a machine where only rlimits works stops the
     stage at its start (exit 2, before Ray or any engine), naming the tier, the fix and the opt-in key."""

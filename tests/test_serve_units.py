@@ -444,11 +444,11 @@ def test_serve_reads_its_source_and_runs_every_time_only_when_blocking(tmp_path)
     assert build_plan(quiet)[-1].spec.name == "serve" and build_plan(quiet)[-1].status == "hit"
 
 
-def test_serve_command_without_a_config_names_the_missing_model(tmp_path):
-    from conftest import run_cli
+def test_serve_command_without_a_config_names_the_missing_model(tmp_path, capfd, monkeypatch):
+    from conftest import cli_in_process
 
-    result = run_cli("serve", f"run_dir={tmp_path}", "--model", "models:/no-such-model@champion",
-                     env={"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
+    result = cli_in_process(capfd, "serve", f"run_dir={tmp_path}", "--model", "models:/no-such-model@champion")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "models:/no-such-model@champion: not found in the model registry" in result.stderr
     assert str(tmp_path / "m.db") in result.stderr  # it looked in the environment's tracking store
@@ -591,9 +591,9 @@ def test_the_adapter_loader_hands_serve_the_named_directory(tmp_path):
         asyncio.run(loader.load_model_from_config("m:other", None))
 
 
-def test_serve_refuses_a_reward_model_adapter_before_starting_ray(tmp_path):
-    from conftest import run_cli
+def test_serve_refuses_a_reward_model_adapter_before_starting_ray(tmp_path, capfd):
+    from conftest import cli_in_process
 
     reward = _adapter(tmp_path, "reward", kind="sequence")
-    result = run_cli("serve", f"run_dir={tmp_path}", "--model", str(tmp_path), "--adapter", f"rm={reward}")
+    result = cli_in_process(capfd, "serve", f"run_dir={tmp_path}", "--model", str(tmp_path), "--adapter", f"rm={reward}")
     assert result.returncode == 2 and "SEQ_CLS" in result.stderr and "Ray" not in result.stderr, result.stderr[-2000:]

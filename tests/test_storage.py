@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMOKE, run_cli, smoke_config
+from conftest import SMOKE, cli_in_process, run_cli, smoke_config
 from helpers.s3 import BUCKET, S3Server
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
@@ -325,9 +325,9 @@ def test_checkpoint_files_meet_in_the_bucket_and_reach_a_machine_without_them(no
     assert storage.push_path(tmp_path / "elsewhere.txt") == 0  # outside run_dir: not the store's business
 
 
-def test_an_unusable_bucket_fails_before_any_work(s3, tmp_path):
+def test_an_unusable_bucket_fails_before_any_work(s3, tmp_path, capfd):
     run_dir = tmp_path / "run"
-    result = run_cli("run", str(SMOKE), f"run_dir={run_dir}", "storage.uri=s3://no-such-bucket/run",
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={run_dir}", "storage.uri=s3://no-such-bucket/run",
                      f"storage.endpoint_url={s3.endpoint}", "--json")
     assert result.returncode == 2, result.stderr
     assert "storage.uri s3://no-such-bucket/run: cannot write and read back an object" in result.stderr

@@ -335,7 +335,6 @@ def test_job_package_leaves_uri_passwords_on_the_submitting_machine(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("pipeline/tracking.py", "pipeline/cluster.py"))
 def test_a_local_rays_workers_inherit_the_credentials(tmp_path):
     """A local Ray starts after the config loaded: its workers (Train ranks, trials) have the credentials."""
     script = f"""
@@ -365,7 +364,6 @@ def _files_containing(root: Path, needle: bytes) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("pipeline/tracking.py", "pipeline/runner.py"))
 def test_a_run_against_an_authenticated_server_shows_the_password_nowhere(tmp_path):
     """A tracking server behind basic auth (an authenticating proxy in front of a real `mlflow server`):
     the run authenticates, nothing it printed or wrote (run_dir, the server's store) holds the

@@ -367,7 +367,6 @@ if __name__ == "__main__":  # DeepSpeed's decoupled engine starts its writer pro
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/common/deepspeed.py", "stages/common/training.py"))
 def test_deepspeed_resumes_only_from_safe_checkpoints_whichever_checkpoint_engine_is_configured(tmp_path):
     """Under DeepSpeed's default checkpoint engine, node-local storage and the fast engine of
     `checkpoint.writer` (whose `torch.load` the old per-engine swap never saw): a checkpoint the
