@@ -79,7 +79,8 @@ def shares(before: CpuTimes, after: CpuTimes) -> tuple[float, float]:
     total = after.total - before.total
     if total <= 0:
         return 0.0, 0.0
-    return (after.busy - before.busy) / total, (after.steal - before.steal) / total
+    clamp = lambda x: min(1.0, max(0.0, x))  # noqa: E731  (a migrated VM's steal counter can step back)
+    return clamp((after.busy - before.busy) / total), clamp((after.steal - before.steal) / total)
 
 
 def cores_line(wall_s: float, busy: float, steal: float, cores: int | None = None) -> str:
@@ -155,7 +156,7 @@ def _torch_import() -> float:
 
 
 def calibrate() -> Calibration:
-    """Time the fixed workload now (about 10 s on the reference machine)."""
+    """Time the fixed workload now (about 5 s on the reference machine)."""
     before = read_cpu()
     gemm, loop, imp = _gemm(), _python_loop(), _torch_import()
     after = read_cpu()

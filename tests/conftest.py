@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from bench import machine  # the calibration and the kernel's CPU counters (bench/machine.py)
-
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE = ROOT / "configs" / "smoke.yaml"
+if str(ROOT) not in sys.path:  # `bench` is imported from the repository's root, whichever way pytest was started
+    sys.path.insert(0, str(ROOT))
+
+from bench import machine  # noqa: E402  (the calibration and the kernel's CPU counters: bench/machine.py)
 
 # Tiers (which scenarios `make test` may leave out, and the full-pass record) and the start-up allowance
 # (each module's declared starts): docs/development.md.
@@ -50,11 +52,14 @@ def pytest_sessionstart(session):
 
 
 def suite_kind(config) -> str:
-    """Which budget a run is held to: the fast suite (-m "not slow"), every test (--tiers=all with
-    --record-full-pass: make test-all), or the base tier with the changed tiers (make test)."""
+    """Which budget a run is held to: the fast suite (-m "not slow"), the base tier with the changed tiers
+    (make test, when a full-pass record let it leave tiers out), or every test (make test-all, and make test
+    without a usable record, which then runs every tier)."""
+    from helpers import tiers
+
     if "not slow" in (config.getoption("markexpr") or ""):
         return "fast"
-    return "base" if config.getoption("tiers", "all") == "changed" else "all"
+    return "base" if config.getoption("tiers", "all") == "changed" and tiers.applied(config) else "all"
 
 
 # Collecting the tests imports every test module; one that changes os.environ on import (a library setting

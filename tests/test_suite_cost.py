@@ -71,6 +71,8 @@ def test_every_run_of_the_suite_prints_its_cost():
             self.lines.append(line)
 
     class Config:
+        stash: dict = {}
+
         def getoption(self, name, default=None):
             return {"markexpr": "not slow", "tiers": "all"}.get(name, default)
 
@@ -86,15 +88,18 @@ def test_every_run_of_the_suite_prints_its_cost():
 def test_the_budget_is_chosen_by_what_the_run_selects():
     import conftest
 
+    from helpers import tiers
+
     class Config:
-        def __init__(self, **opts):
-            self.opts = opts
+        def __init__(self, applied=False, **opts):
+            self.opts, self.stash = opts, {tiers._STATE: {"applied": applied}}
 
         def getoption(self, name, default=None):
             return self.opts.get(name, default)
 
     assert conftest.suite_kind(Config(markexpr="not slow")) == "fast"
-    assert conftest.suite_kind(Config(markexpr="", tiers="changed")) == "base"
+    assert conftest.suite_kind(Config(markexpr="", tiers="changed", applied=True)) == "base"
+    assert conftest.suite_kind(Config(markexpr="", tiers="changed", applied=False)) == "all"  # no record: every tier
     assert conftest.suite_kind(Config(markexpr="", tiers="all")) == "all"
     cal = machine.Calibration(gemm_s=machine.REFERENCE["gemm_s"] * 2, python_s=machine.REFERENCE["python_s"] * 2,
                               torch_import_s=machine.REFERENCE["torch_import_s"] * 2, steal=0.0, date="today")

@@ -16,6 +16,7 @@ from helpers import starts, tiers
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
 
 PROJECT = {
+    ".gitignore": "__pycache__/\n.pytest_cache/\n",  # what pytest writes is no change to the checkout
     "code/ppo.py": "X = 1\n",
     "code/serve.py": "Y = 1\n",
     "docs/notes.md": "notes\n",
@@ -38,7 +39,8 @@ def test_whole_run():
 
 
 def git(path, *args) -> str:
-    out = subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, env={**os.environ, **GIT_ENV})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # never a calling hook's repository
+    out = subprocess.run(["git", *args], cwd=path, capture_output=True, text=True, env={**env, **GIT_ENV})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -97,6 +99,25 @@ def test_a_change_to_a_tiered_tests_own_module_or_the_shared_helpers_runs_it():
     assert not tiers.touched(("stages/ppo.py",), "tests/t.py", {"stages/ppo.pyc"})  # a file matches whole
 
 
+def test_a_file_moved_out_of_a_covered_folder_counts_as_a_change_there(project):
+    first = git(project.path, "rev-parse", "HEAD")
+    (project.path / "lib").mkdir()
+    git(project.path, "mv", "code/ppo.py", "lib/ppo.py")
+    git(project.path, "commit", "-qm", "move")
+    changed = tiers.changed_since(project.path, first)
+    assert {"code/ppo.py", "lib/ppo.py"} <= changed
+    assert tiers.touched(("code/",), "tests/test_things.py", changed) == ["code/ppo.py"]
+
+
+@pytest.mark.parametrize("covers, why", [
+    (("code",), "a folder ends with '/'"), (("code/ppo.py/",), "a folder ends with '/' and a file does not"),
+    (("./code/ppo.py",), "relative to the repository's root"), (("/etc/hosts",), "relative to the repository's root"),
+    (("code/../code/ppo.py",), "relative to the repository's root")])
+def test_covered_paths_are_spelled_as_git_spells_them(project, covers, why):
+    assert why in tiers.problem("e2e", covers, project.path)
+    assert tiers.problem("e2e", ("code/", "code/ppo.py"), project.path) is None
+
+
 def test_without_a_record_or_with_one_from_another_history_every_tier_runs(project):
     result = run(project, "--tiers=changed")
     result.assert_outcomes(passed=3)
@@ -132,11 +153,24 @@ def test_a_full_pass_is_recorded_only_when_everything_ran_and_passed_on_a_clean_
     (project.path / "tests" / "full_pass.json").unlink()
     run(project, "--record-full-pass", "-k", "base")
     assert not (project.path / "tests" / "full_pass.json").exists()  # part of the suite
+    run(project, "--record-full-pass", "--co")
+    assert not (project.path / "tests" / "full_pass.json").exists()  # nothing ran
     (project.path / "code" / "ppo.py").write_text("X = 2\n")
     result = run(project, "--record-full-pass")
     assert not (project.path / "tests" / "full_pass.json").exists()  # uncommitted changes
     assert any("full pass not recorded: uncommitted changes" in line for line in result.outlines)
     git(project.path, "commit", "-qam", "ppo")
+    (project.path / "tests" / "test_commits.py").write_text(  # a commit made while the suite runs
+        "import os, subprocess\n\ndef test_commit():\n    env = {k: v for k, v in os.environ.items() if not "
+        "k.startswith('GIT_')}\n    subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', "
+        "'-q', '--allow-empty', '-m', 'during'], check=True, env=env)\n")
+    git(project.path, "add", ".")
+    git(project.path, "commit", "-qm", "a test that commits")
+    result = run(project, "--record-full-pass")
+    assert not (project.path / "tests" / "full_pass.json").exists()  # HEAD moved: the new commit was not tested
+    assert any("the checkout changed while the suite ran" in line for line in result.outlines)
+    (project.path / "tests" / "test_commits.py").unlink()
+    git(project.path, "commit", "-qam", "no more")
     (project.path / "tests" / "test_things.py").write_text(PROJECT["tests/test_things.py"] + "\ndef test_broken():\n"
                                                            "    assert False\n")
     git(project.path, "commit", "-qam", "broken")

@@ -16,6 +16,10 @@ allowance is then a visible edit in the commit that needs it; a time is never as
 What a session fixture starts (the shared smoke run, the session's Ray) is the suite's, not the module
 that happened to ask for it first: the lines written while a session fixture is being set up are
 counted apart and printed as `shared`. The summary prints each module's starts against its allowance.
+
+Limits: windows are times, so a start made by a process that outlives its test (an actor Ray restarts
+after a fault drill) counts in whichever module runs then; a child started with an environment of its
+own, without the variable, is not counted (the cron test passes it on).
 """
 
 from __future__ import annotations
@@ -36,11 +40,20 @@ _STATE = pytest.StashKey[dict]()
 
 def pytest_configure(config):
     # Before collection, so that every process the suite starts (Ray's included) inherits the variable.
-    if START_LEDGER not in os.environ:
+    created = START_LEDGER not in os.environ
+    if created:
         fd, path = tempfile.mkstemp(prefix="pipeline-starts-", suffix=".jsonl")
         os.close(fd)
         os.environ[START_LEDGER] = path
-    config.stash[_STATE] = {"shared": [], "begun": {}, "counts": {}, "path": Path(os.environ[START_LEDGER])}
+    config.stash[_STATE] = {"shared": [], "begun": {}, "counts": {}, "path": Path(os.environ[START_LEDGER]),
+                            "created": created, "t0": time.time(), "last": None}
+
+
+def pytest_unconfigure(config):
+    state = config.stash.get(_STATE, None)
+    if state is not None and state["created"]:
+        os.environ.pop(START_LEDGER, None)
+        state["path"].unlink(missing_ok=True)
 
 
 def read_ledger(path: Path) -> list[dict]:
@@ -96,8 +109,12 @@ def pytest_fixture_setup(fixturedef, request):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    begun = item.config.stash[_STATE]["begun"]
-    begun.setdefault(item.nodeid.split("::")[0], time.time())
+    # A module's window opens at the first of its tests in a row (a run order that splits a module, --ff or a
+    # random order, gives it one window per run of its tests; the counts add up).
+    state, module = item.config.stash[_STATE], item.nodeid.split("::")[0]
+    if state["last"] != module:
+        state["begun"][module] = time.time()
+        state["last"] = module
 
 
 @pytest.hookimpl(wrapper=True)
@@ -112,9 +129,14 @@ def pytest_runtest_teardown(item, nextitem):
 
 def _check(item, module: str) -> None:
     state = item.config.stash[_STATE]
+    state["last"] = None
     windows = [(a, b) for a, b, _ in state["shared"]]
-    counts = count(read_ledger(state["path"]), state["begun"].get(module, 0), time.time(), windows)
+    begun = state["begun"].get(module)
+    if begun is None:  # its set-up never reached this plugin: nothing of it to count
+        return
+    counts = count(read_ledger(state["path"]), begun, time.time(), windows)
     allowed, problem = allowance(item.module)
+    counts += state["counts"].get(module, (Counter(), allowed))[0]  # its earlier windows, if split
     state["counts"][module] = (counts, allowed)
     if problem:
         pytest.fail(f"{module}: {problem} (tests/helpers/starts.py)", pytrace=False)
@@ -127,7 +149,7 @@ def _check(item, module: str) -> None:
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     state = config.stash[_STATE]
-    lines = read_ledger(state["path"])
+    lines = [line for line in read_ledger(state["path"]) if line.get("t", 0) >= state["t0"]]  # this run's
     rows = [(m, c, a) for m, (c, a) in state["counts"].items() if sum(c.values()) or any(a.values())]
     if not rows and not lines:
         return
@@ -135,12 +157,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for module, counts, allowed in sorted(rows):
         cells = ", ".join(f"{k} {counts[k]}/{allowed[k]}" for k in START_KINDS if counts[k] or allowed[k])
         terminalreporter.write_line(f"{module}: {cells}")
-    shared = Counter()
-    for begin, end, _ in state["shared"]:
-        shared += count(lines, begin, end, [])
+    shared, names = Counter(), set()
+    for line in lines:  # each line once, however the session fixtures' set-ups nest
+        inside = [name for a, b, name in state["shared"] if a <= line.get("t", 0) <= b]
+        if inside:
+            shared[line.get("kind", "?")] += int(line.get("n", 1))
+            names.update(inside)
     if shared:
-        names = sorted({name for a, b, name in state["shared"] if count(lines, a, b, [])})
-        terminalreporter.write_line(f"shared ({', '.join(names)}): " +
+        terminalreporter.write_line(f"shared ({', '.join(sorted(names))}): " +
                                     ", ".join(f"{k} {shared[k]}" for k in START_KINDS if shared[k]))
     total = Counter()
     for line in lines:

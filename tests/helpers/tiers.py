@@ -25,6 +25,7 @@ with `git diff --stat <commit>` against the record's commit, nothing else.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ from pathlib import Path
 import pytest
 
 RECORD = Path("tests") / "full_pass.json"
-# Changing any of these changes what every tiered test runs: the suite's shared fixtures and helpers,
-# and the packages installed.
-COVERED_BY_ALL = ("tests/conftest.py", "tests/helpers/", "pyproject.toml", "scripts/setup.sh")
+# Changing any of these changes what every tiered test runs: the suite's shared fixtures and helpers, the
+# config every scenario starts from, how the suite is run, and the packages installed.
+COVERED_BY_ALL = ("tests/conftest.py", "tests/helpers/", "configs/smoke.yaml", "Makefile", ".ci/", "pyproject.toml",
+                  "scripts/setup.sh")
 TIERS = ("faults", "e2e")
 
 
@@ -57,10 +59,11 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "tier(name, covers=(paths...)): a scenario left out of `make test` "
                                        "unless its covered code changed since the recorded full pass")
-    config.stash[_STATE] = {"skipped": [], "problems": {}, "note": None, "clean": None,
-                            "started": time.time(), "deselected": 0}
+    config.stash[_STATE] = {"skipped": [], "problems": {}, "note": None, "clean": None, "head": None,
+                            "started": time.time(), "deselected": 0, "collected": 0, "applied": False}
     if config.getoption("record_full_pass"):
         config.stash[_STATE]["clean"] = uncommitted(config.rootpath)
+        config.stash[_STATE]["head"] = _git(config.rootpath, "rev-parse", "HEAD").stdout.strip()
 
 
 _STATE = pytest.StashKey[dict]()
@@ -83,9 +86,15 @@ def problem(tier: str, covers: tuple[str, ...], root: Path) -> str | None:
     if not covers:
         return (f"tier {tier!r} declares no covered code: name the files or folders it exercises, "
                 "pytest.mark.tier(..., covers=('stages/ppo/', ...))")
-    missing = [p for p in covers if not (root / p).exists()]
-    if missing:
-        return f"covers {', '.join(missing)}, which does not exist (renamed? name the code it exercises now)"
+    for path in covers:
+        target = root / path
+        if os.path.isabs(path) or os.path.normpath(path) != path.rstrip("/"):
+            return f"covers {path!r}: name it relative to the repository's root, as git does (stages/ppo/rl.py)"
+        if not target.exists():
+            return f"covers {path}, which does not exist (renamed? name the code it exercises now)"
+        if target.is_dir() != path.endswith("/"):
+            return (f"covers {path!r}: a folder ends with '/' and a file does not "
+                    f"({'stages/ppo/' if target.is_dir() else 'stages/ppo/rl.py'})")
     return None
 
 
@@ -97,7 +106,13 @@ def touched(covers: tuple[str, ...], module: str, changed: set[str]) -> list[str
 
 # --------------------------------------------------------------------------- git
 def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    """git in the checkout, without a calling hook's GIT_DIR/GIT_INDEX_FILE (which would point it elsewhere);
+    a missing git answers like a failing one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, env=env)
+    except OSError as exc:
+        return subprocess.CompletedProcess(["git", *args], 127, "", str(exc))
 
 
 def read_record(root: Path) -> Record | None:
@@ -108,16 +123,24 @@ def read_record(root: Path) -> Record | None:
         return None
 
 
-def changed_since(root: Path, commit: str) -> set[str] | None:
-    """Files that differ from `commit` in the working tree (committed or not, untracked included), or None
-    when the commit is not in this checkout's history."""
-    if _git(root, "merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
-        return None
-    diff = _git(root, "diff", "--name-only", commit)
-    untracked = _git(root, "ls-files", "--others", "--exclude-standard")
+def changed_since(root: Path, commit: str) -> set[str] | str:
+    """Files that differ from `commit` in the working tree (committed or not, untracked included), or why
+    that cannot be known. Renames count as both paths: a file moved out of a covered folder changed it."""
+    repo = _git(root, "rev-parse", "--git-dir")
+    if repo.returncode:
+        return f"git cannot read this checkout ({repo.stderr.strip()[:200]})"
+    if _git(root, "cat-file", "-e", f"{commit}^{{commit}}").returncode:
+        return f"the recorded full pass {commit[:10]} is not in this checkout's history"
+    ancestor = _git(root, "merge-base", "--is-ancestor", commit, "HEAD")
+    if ancestor.returncode == 1:
+        return f"the recorded full pass {commit[:10]} is not in this checkout's history"
+    if ancestor.returncode:
+        return f"git could not compare with the recorded full pass {commit[:10]} ({ancestor.stderr.strip()[:200]})"
+    diff = _git(root, "diff", "--name-only", "--no-renames", "-z", commit)
+    untracked = _git(root, "ls-files", "--others", "--exclude-standard", "--full-name", "-z")
     if diff.returncode or untracked.returncode:
-        return None
-    return {line for line in (diff.stdout + untracked.stdout).splitlines() if line}
+        return f"git diff failed ({(diff.stderr or untracked.stderr).strip()[:200]})"
+    return {name for name in (diff.stdout + untracked.stdout).split("\0") if name}
 
 
 def uncommitted(root: Path) -> list[str]:
@@ -128,7 +151,15 @@ def uncommitted(root: Path) -> list[str]:
     return [line[3:] for line in status.stdout.splitlines() if line[3:] != str(RECORD)]
 
 
+def applied(config) -> bool:
+    """Whether `--tiers=changed` compared with a full-pass record (and so may have left tests out); False
+    when it ran every tier for want of one."""
+    state = config.stash.get(_STATE, None)
+    return bool(state and state["applied"])
+
+
 # --------------------------------------------------------------------------- hooks
+@pytest.hookimpl(trylast=True)  # after -m and -k: what they remove is not this plugin's to list
 def pytest_collection_modifyitems(session, config, items):
     state, root = config.stash[_STATE], config.rootpath
     for item in items:
@@ -140,11 +171,11 @@ def pytest_collection_modifyitems(session, config, items):
     if config.getoption("tiers") != "changed":
         return
     record = read_record(root)
-    changed = changed_since(root, record.commit) if record else None
-    if changed is None:
-        state["note"] = ("every tier runs: " + (f"the recorded full pass {record.commit[:10]} is not in this "
-                                                  "checkout's history" if record else f"no full pass recorded ({RECORD})"))
+    changed = changed_since(root, record.commit) if record else f"no full pass recorded ({RECORD})"
+    if isinstance(changed, str):
+        state["note"] = f"every tier runs: {changed}"
         return
+    state["applied"] = True
     keep, drop = [], []
     for item in items:
         declared = tier_of(item)
@@ -164,6 +195,12 @@ def pytest_collection_modifyitems(session, config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_collection_finish(session):
+    state = session.config.stash.get(_STATE, None)
+    if state is not None:
+        state["collected"] = len(session.items)
 
 
 def pytest_deselected(items):
@@ -197,18 +234,24 @@ def _record(config, exitstatus, state) -> str:
     root = config.rootpath
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     stats = reporter.stats if reporter else {}
-    passed = len(stats.get("passed", []))
-    unrun = state["deselected"] + len(stats.get("skipped", []))
-    if exitstatus != 0 or stats.get("failed") or stats.get("error"):
+    passed = len([r for r in stats.get("passed", []) if getattr(r, "when", "call") == "call"])
+    skipped = [getattr(r, "nodeid", "?") for r in stats.get("skipped", [])]
+    if exitstatus != 0 or stats.get("failed") or stats.get("error") or reporter is None:
         return f"full pass not recorded: the run did not pass (exit {int(exitstatus)})"
-    if unrun or config.getoption("markexpr") or config.getoption("keyword") or \
-            config.args_source != pytest.Config.ArgsSource.TESTPATHS:
-        return "full pass not recorded: only part of the suite ran (a path, -k, -m, a deselection or a skip)"
+    if skipped:
+        return f"full pass not recorded: {len(skipped)} test(s) skipped ({', '.join(skipped[:5])})"
+    opt = config.option
+    if state["deselected"] or config.getoption("markexpr") or config.getoption("keyword") or \
+            config.args_source != pytest.Config.ArgsSource.TESTPATHS or opt.collectonly or opt.setuponly or \
+            opt.setupplan or getattr(opt, "ignore", None) or getattr(opt, "ignore_glob", None):
+        return "full pass not recorded: only part of the suite ran (a path, -k, -m, --ignore, a deselection)"
+    if stats.get("xfailed") or stats.get("xpassed") or passed != state["collected"] or not passed:
+        return f"full pass not recorded: {passed} of {state['collected']} collected tests passed"
     if state["clean"]:
         return f"full pass not recorded: uncommitted changes when the run started ({', '.join(state['clean'][:5])})"
     head = _git(root, "rev-parse", "HEAD").stdout.strip()
-    if uncommitted(root) or not head:
-        return "full pass not recorded: the checkout changed while the suite ran"
+    if head != state["head"] or uncommitted(root) or not head:
+        return "full pass not recorded: the checkout changed while the suite ran (HEAD or the files)"
     wall = time.time() - state["started"]
     payload = {"commit": head, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "passed": passed,
                "wall_s": round(wall), **config.stash.get(CALIBRATION, {})}
