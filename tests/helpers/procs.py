@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -61,11 +62,18 @@ class Watched:
                 pass
 
 
+_DEFAULT_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+
+
 def watched(cmd: list[str], cwd: Path, env: dict, timeout: float, interrupt_on: str | None = None,
             interrupt: int = signal.SIGINT, separate_stderr: bool = False) -> Watched:
     """Run `cmd`, recording its descendants; with `interrupt_on`, send `interrupt` to the command alone
     once a line of its output contains that text."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+    # As a terminal starts it: with SIGINT's default action. A suite started in the background (`make test &`,
+    # nohup, some CI runners) has SIGINT ignored, children inherit that, and Python then leaves it ignored: the
+    # drill's Ctrl-C did nothing and the run trained to its end (2026-12-01). SIG_DFL, unlike a handler,
+    # survives exec; a one-line trampoline sets it without preexec_fn, which is unsafe in a threaded process.
+    proc = subprocess.Popen([sys.executable, "-c", _DEFAULT_SIGINT, *cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT, text=True,
                             start_new_session=True)
     seen: dict[int, tuple[int, str]] = {}
