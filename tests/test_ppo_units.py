@@ -213,3 +213,19 @@ def test_dynamic_sampling_replaces_groups_without_a_signal_and_keeps_the_batch_s
     req = fill(max_refills=2)  # the second refill keeps nothing either: the bound holds, same top-up
     assert [r["prompt"] for r in req.rows[::n]] == ["r0p1", "r0p3", "r0p0", "r0p2"]
     assert req.dynamic == {"dynamic_kept_share": 0.5, "dynamic_refills": 2.0}
+
+
+def test_rank_zero_holds_the_rendezvous_port_from_the_moment_it_names_it():
+    """The port a group's ranks meet on is bound by rank 0's store before anyone is told it: a port found free
+    and bound later could be taken in between (two roles starting at once: EADDRINUSE, 2026-12-01)."""
+    import socket
+
+    from stages.ppo.groups import Workhorse
+
+    rank0 = Workhorse("g", 0, 2, {})
+    address, port = rank0.master_address()
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind((address, port))
+    finally:
+        del rank0._store

@@ -20,7 +20,6 @@ keeps a model's ranks together, SPREAD puts them on different nodes).
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 
@@ -39,13 +38,20 @@ class Workhorse:
         return self.startup
 
     def master_address(self) -> tuple[str, int]:
-        """This node's address and a free port: rank 0 hosts the group's rendezvous."""
-        import ray
+        """Rank 0 hosts the group's rendezvous: this node's address and the port of the store it opens now.
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        The store binds port 0 and keeps it: a port found free and bound later by the process group could be
+        taken in between by another role's rendezvous or a Ray process starting at the same time, and the
+        group then failed with EADDRINUSE (2026-12-01, one run in the suite)."""
+        import datetime
+
+        import ray
+        import torch.distributed as dist
+
+        address = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(address, 0, self.world, True, timeout=datetime.timedelta(minutes=30),
+                                    wait_for_workers=False)  # the other ranks connect once they have the port
+        return address, self._store.port
 
     def init_process_group(self, address: tuple[str, int], backend: str) -> int:
         """Join the group's process group at rank 0's `address` (its `master_address()`, passed as a ref)."""
@@ -55,11 +61,12 @@ class Workhorse:
         import torch.distributed as dist
 
         addr, port = address
+        timeout = datetime.timedelta(minutes=30)
         # The env:// names DeepSpeed and torch read; LOCAL_RANK 0 because Ray gives each actor its own GPU.
         os.environ.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port), "RANK": str(self.rank),
                            "WORLD_SIZE": str(self.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world,
-                                timeout=datetime.timedelta(minutes=30))
+        store = self._store if self.rank == 0 else dist.TCPStore(addr, port, self.world, False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         if backend == "gloo":
             import ray
 
