@@ -50,7 +50,8 @@ def at_smoke_size(recipe) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["sft-only", "grpo-verifier", "own-job-real"])
 @pytest.mark.tier("e2e", covers=(
-    "configs/recipes/", "pipeline/plan.py", "pipeline/registry.py", "stages/dpo.py", "stages/ppo/"))
+    "configs/recipes/", "pipeline/plan.py", "pipeline/registry.py", "stages/dpo.py", "stages/ppo/", "stages/sft.py",
+    "stages/common/train_loop.py", "stages/common/training.py"))
 def test_a_recipe_without_some_stage_runs(recipe, smoke_trained, tmp_path):
     overrides = at_smoke_size(RECIPES / f"{recipe}.yaml")
     # its own tracking store: the serve stage registers a model version, which the shared store's registry
