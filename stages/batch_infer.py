@@ -242,11 +242,11 @@ def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
         chat_template_stage=cfg.chat, tokenize_stage=False, detokenize_stage=False,
         should_continue_on_error=True,
     )
-    # Rows that failed skip `postprocess` (Ray Data LLM returns their whole processor row instead), so
-    # the postprocess only picks the columns `result` reads, and `result` runs on every row afterwards.
     from pipeline import events
 
     events.record_start("vllm_engines", count=cfg.concurrency, detail="batch inference")
+    # Rows that failed skip `postprocess` (Ray Data LLM returns their whole processor row instead), so
+    # the postprocess only picks the columns `result` reads, and `result` runs on every row afterwards.
     return build_processor(config, preprocess=partial(request, cfg=cfg), postprocess=_outputs)
 
 
