@@ -178,13 +178,74 @@ PipelineConfig = compose()
 # --------------------------------------------------------------------------- loading
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping: `path` is the mapping's key path, `lines` both keys' lines (1-based)."""
+
+    def __init__(self, key: str, path: tuple[str, ...], lines: tuple[int, int]):
+        super().__init__(f"key {key!r} appears twice")
+        self.key, self.path, self.lines = key, path, lines
+
+    def where(self, prefix: tuple[str, ...] = ()) -> str:
+        path = ".".join((*prefix, *self.path))
+        return f"in {path}" if path else "at the top level"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping. PyYAML has no option for it: its constructor
+    keeps the last value without a word (the YAML spec says a mapping's keys are unique), so `lr` written twice
+    in a section ran with the second. Every YAML the pipeline reads from the user goes through `_load_yaml`."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._paths: dict[int, tuple[str, ...]] = {}
+        self._name_mappings(node, ())
+        return super().construct_document(node)
+
+    def _name_mappings(self, node: yaml.Node, path: tuple[str, ...]) -> None:
+        """Each mapping node's key path (for the message); an alias (the same node again) is named once."""
+        if id(node) in self._paths:
+            return
+        if isinstance(node, yaml.MappingNode):
+            self._paths[id(node)] = path
+            for key, value in node.value:
+                self._name_mappings(value, (*path, str(key.value) if isinstance(key, yaml.ScalarNode) else "?"))
+        elif isinstance(node, yaml.SequenceNode):
+            self._paths[id(node)] = path
+            for i, value in enumerate(node.value):
+                self._name_mappings(value, (*path, str(i)))
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        # Before the base class flattens merge keys (`<<: *base`): a key that overrides a merged one is no duplicate.
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise DuplicateKey(str(key), self._paths.get(id(node), ()), (first[key], line))
+            first[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> Any:
+    """`yaml.safe_load` that refuses duplicate keys (`DuplicateKey`)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`"stages.data.max_len=256"` -> (['stages', 'data', 'max_len'], 256); values are YAML scalars."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
         raise ConfigError(f"override {redact(text)!r}: expected key.path=value, e.g. stages.data.max_len=256")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw) if raw.strip() else None
+    except DuplicateKey as exc:
+        where = exc.where(tuple(key.strip().split(".")))
+        raise ConfigError(f"override {redact(text)!r}: key {exc.key!r} appears twice {where}; keep one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {redact(text)!r}: value is not valid YAML ({exc.problem})") from None
     return key.strip().split("."), value
@@ -194,9 +255,12 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path} (give the path to a YAML file, e.g. configs/full.yaml)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _load_yaml(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file; save the YAML as UTF-8") from None
+    except DuplicateKey as exc:
+        raise ConfigError(f"{path}: key {exc.key!r} appears twice {exc.where()} (lines {exc.lines[0]} and "
+                          f"{exc.lines[1]}); keep one") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

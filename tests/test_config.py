@@ -6,7 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from conftest import ROOT, SMOKE, cli_in_process, smoke_config
-from pipeline.config import PipelineConfig, load_config, reference, subsection
+from pipeline.config import PipelineConfig, _read_yaml, load_config, parse_override, reference, subsection
 from pipeline.errors import ConfigError
 
 
@@ -213,3 +213,26 @@ def test_a_typo_in_an_optional_section_is_answered_with_its_keys(tmp_path):
     assert "micro_batch_size" in str(err.value)
     with pytest.raises(ConfigError, match=r"stages\.ppo\.distill\.wieght: unknown key; did you mean 'weight'\?"):
         smoke_config(tmp_path, "stages.ppo.distill.wieght=1")
+
+
+def test_a_duplicate_key_is_refused_naming_both_lines(tmp_path, capfd):
+    """PyYAML keeps the last of two equal keys silently: `lr` given twice ran with the second value and no
+    word. It is a config error (exit 2) naming the key, its section and both lines; a merge key (`<<`) that
+    a later key overrides is not a duplicate."""
+    config = tmp_path / "dup.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\nstages:\n  sft:\n    lr: 0.001\n    epochs: 1\n    lr: 0.002\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(config)
+    assert str(exc.value) == f"{config}: key 'lr' appears twice in stages.sft (lines 4 and 6); keep one"
+    result = cli_in_process(capfd, "validate", str(config))
+    assert result.returncode == 2 and "key 'lr' appears twice in stages.sft (lines 4 and 6)" in result.stderr
+    assert not (tmp_path / "run").exists()
+    top = tmp_path / "top.yaml"
+    top.write_text("seed: 1\nrun_dir: x\nseed: 2\n")
+    with pytest.raises(ConfigError, match=r"key 'seed' appears twice at the top level \(lines 1 and 3\)"):
+        load_config(top)
+    with pytest.raises(ConfigError, match=r"override .*: key 'a' appears twice in stages\.x; keep one"):
+        parse_override("stages.x={a: 1, a: 2}")
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &b {lr: 0.001, epochs: 1}\nsft:\n  <<: *b\n  lr: 0.002\n")
+    assert _read_yaml(merged)["sft"] == {"lr": 0.002, "epochs": 1}
