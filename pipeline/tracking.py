@@ -28,11 +28,21 @@ BATCH = 100  # MLflow's limit on params per log_batch call
 
 # scheme://user:password@host -> the password is never logged (a tracking server or object store
 # URI can carry one); what the run needs stays in its own config, only what MLflow shows is redacted.
-# The password may itself hold an '@' (userinfo ends at the last '@' before the path).
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?P<secret>[^/\s]+)@")
+# The password runs from the user's ':' to the last '@' on the line: SQLAlchemy reads a database
+# store's password up to an '@', '/' and spaces included (`postgresql://u:pa/ss@db/mlflow`), and it
+# may hold an '@' itself; masking too much is safe, too little shows the rest. A ':' followed by digits
+# and a '/', a space or the end is a port, not a password (`http://mlflow:5000/path@x` is left alone):
+# a password of that shape is not masked.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:/@\s]*):(?!\d+(?:[/\s?#]|$))"
+                       r"(?P<secret>[^\n]+)@")
 # A database store may carry its password as a query parameter instead (SQLAlchemy and libpq read
-# `?password=`; `postgresql://db/mlflow?user=u&password=pw`): masked, or dropped with its '&'.
-_QUERY_SECRET = re.compile(r"(?P<sep>[?&])(?P<name>password|passwd|pwd)=(?P<secret>[^&#\s]*)(?P<amp>&?)", re.I)
+# `?password=`, libpq `?sslpassword=`, MySQL `passwd`, `password1`; `postgresql://db/mlflow?user=u&password=pw`):
+# any parameter named for a password, secret or token is masked, or dropped with its '&'. The value runs to
+# the next '&' or '#' (SQLAlchemy's parse_qsl keeps spaces in it).
+_QUERY_SECRET = re.compile(r"(?P<sep>[?&])(?P<name>[\w.-]*(?:password|passwd|pwd|secret|token)[\w.-]*)="
+                           r"(?P<secret>[^&#\n]*)", re.I)
+_EMPTY_QUERY = re.compile(r"\?(?:&|(?=[#\s]|$))")  # what dropping them leaves: `?&a=1` -> `?a=1`, a bare `?` -> ''
+
 
 # Where MLflow's REST client reads a tracking server's basic-auth credentials (mlflow.environment_variables).
 USERNAME_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
@@ -46,7 +56,8 @@ def redact(value: Any, mask: str | None = "***") -> Any:
     sending the mask as a password."""
     if isinstance(value, str):
         value = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}{'' if mask is None else ':' + mask}@", value)
-        return _QUERY_SECRET.sub(lambda m: _query_secret(m, mask), value)
+        value, dropped = _QUERY_SECRET.subn(lambda m: _query_secret(m, mask), value)
+        return _EMPTY_QUERY.sub(lambda m: "?" if m[0] == "?&" else "", value) if dropped and mask is None else value
     if isinstance(value, dict):
         return {k: redact(v, mask) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -55,11 +66,11 @@ def redact(value: Any, mask: str | None = "***") -> Any:
 
 
 def _query_secret(m: re.Match, mask: str | None) -> str:
-    """One `?password=...` parameter masked, or (mask None) dropped: `?password=pw&a=1` -> `?a=1`,
-    `?a=1&password=pw` -> `?a=1`."""
+    """One `?password=...` parameter masked, or (mask None) dropped: `?a=1&password=pw` -> `?a=1`; the '?'
+    of a first one stays for the next parameter (`?password=pw&a=1` -> `?&a=1`, tidied by `_EMPTY_QUERY`)."""
     if mask is not None:
-        return f"{m['sep']}{m['name']}={mask}{m['amp']}"
-    return m["sep"] if m["amp"] else ""
+        return f"{m['sep']}{m['name']}={mask}"
+    return "?" if m["sep"] == "?" else ""
 
 
 def redacted_keys(value: Any, prefix: str = "") -> list[str]:

@@ -233,6 +233,42 @@ def test_redact_masks_userinfo_and_query_string_passwords():
     assert redacted_keys({"mlflow": {"tracking_uri": DATABASE_URIS[2]}}) == ["mlflow.tracking_uri"]
 
 
+@pytest.mark.parametrize("uri, masked, dropped", [
+    # SQLAlchemy reads a password up to the '@' ('/' and spaces included); the redaction stopped at '/' or a
+    # space and showed the rest (issue 59, item 9).
+    ("postgresql://u:pa/ss@db/mlflow", "postgresql://u:***@db/mlflow", "postgresql://u@db/mlflow"),
+    ("postgresql://u:pa ss@db:5432/mlflow", "postgresql://u:***@db:5432/mlflow", "postgresql://u@db:5432/mlflow"),
+    ("mysql+pymysql://u:p@s/s w@db/mlflow", "mysql+pymysql://u:***@db/mlflow", "mysql+pymysql://u@db/mlflow"),
+    ("s3://KEY:abc/def+ghi@minio/bucket", "s3://KEY:***@minio/bucket", "s3://KEY@minio/bucket"),
+    # libpq's `sslpassword` (the client key's passphrase), and any parameter named for a password or secret
+    ("postgresql://db/mlflow?sslmode=require&sslpassword=k3y", "postgresql://db/mlflow?sslmode=require&sslpassword=***",
+     "postgresql://db/mlflow?sslmode=require"),
+    ("postgresql://db/mlflow?user=u&password=pa ss&a=1", "postgresql://db/mlflow?user=u&password=***&a=1",
+     "postgresql://db/mlflow?user=u&a=1"),
+    ("mysql://db/m?pwd=x&passwd=y&password1=z", "mysql://db/m?pwd=***&passwd=***&password1=***", "mysql://db/m"),
+    ("https://h/x?api_secret=s&token=t", "https://h/x?api_secret=***&token=***", "https://h/x"),
+])
+def test_redact_masks_passwords_with_slashes_spaces_and_named_parameters(uri, masked, dropped):
+    from pipeline.tracking import redact, redacted_keys
+
+    assert redact(uri) == masked
+    assert redact(uri, mask=None) == dropped
+    assert redacted_keys({"mlflow": {"tracking_uri": uri}}) == ["mlflow.tracking_uri"]
+
+
+@pytest.mark.parametrize("text", [
+    "http://mlflow:5000/path@x",  # a port and a path holding an '@': no user info
+    "http://127.0.0.1:5000 (mail admin@corp.example)",
+    "models:/posttrain-policy@champion",
+    "postgresql://db.internal:5432/mlflow",
+    "https://h/x?sslmode=require&user=u",
+])
+def test_redact_leaves_uris_without_a_password_alone(text):
+    from pipeline.tracking import redact
+
+    assert redact(text) == text
+
+
 @pytest.mark.parametrize("uri", [*DATABASE_URIS, f"https://{USER}:{PLANTED}@mlflow.internal"])
 def test_a_database_stores_password_is_in_no_summary_plan_or_ui_line(tmp_path, uri, monkeypatch):
     """A database store's URI keeps its password (SQLAlchemy reads it from there), so each place that
