@@ -284,7 +284,7 @@ def _command(args, console, state: dict) -> int:
     ran = sum(p.status == "miss" for p in summary["plan"])
     cached = sum(p.status == "hit" for p in summary["plan"])
     print_outcomes(cfg, args.config, summary, console)
-    console.print(f"[bold green]done[/]: {ran} stages run, {cached} cached; Ray "
+    console.print(f"[bold green]done[/]: {ran} stage{'s' * (ran != 1)} run, {cached} cached; Ray "
                   f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
     return 0
 

@@ -236,3 +236,20 @@ def test_a_duplicate_key_is_refused_naming_both_lines(tmp_path, capfd):
     merged = tmp_path / "merged.yaml"
     merged.write_text("base: &b {lr: 0.001, epochs: 1}\nsft:\n  <<: *b\n  lr: 0.002\n")
     assert _read_yaml(merged)["sft"] == {"lr": 0.002, "epochs": 1}
+
+
+@pytest.mark.parametrize("statuses, line", [(("miss", "hit"), "done: 1 stage run, 1 cached;"),
+                                            (("miss", "miss"), "done: 2 stages run, 0 cached;")])
+def test_the_closing_line_counts_in_words(tmp_path, capfd, monkeypatch, statuses, line):
+    """`run`'s last line said "1 stages run" (issue 59): the run itself is stubbed, only the wording is under test."""
+    from types import SimpleNamespace
+
+    from pipeline import __main__ as cli, runner, tracking
+
+    monkeypatch.setattr(tracking, "check_reachable", lambda uri: None)
+    monkeypatch.setattr(cli, "print_outcomes", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "run_pipeline", lambda *a, **k: {
+        "plan": [SimpleNamespace(status=s) for s in statuses], "started_ray": False})
+    result = cli_in_process(capfd, "run", str(SMOKE), f"run_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert line in result.stdout, result.stdout
