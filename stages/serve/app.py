@@ -281,7 +281,9 @@ class Server:
         app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed, self.adapters), key, self.cfg.limits,
                         self.adapters, self.cfg.http.cors_origins)
         named = "".join(f", adapter {self.cfg.served_name()}:{n} ({d})" for n, d in self.adapters.items())
-        self.log(f"deploying {self.cfg.served_name()}{named} ({self.cfg.replicas} replica(s), {'GPU' if gpu else 'CPU'}) "
+        replicas = self.cfg.replicas  # the progress counts Serve's replicas: these and the ingress's one
+        self.log(f"deploying {self.cfg.served_name()}{named} ({replicas} model replica{'s' * (replicas != 1)} + 1 "
+                 f"ingress replica, {'GPU' if gpu else 'CPU'}) "
                  f"on {self.cfg.http.host}:{self.cfg.http.port}; vLLM start-up takes about a minute on 2 cores")
         t0 = time.time()
         already = serve_running()
