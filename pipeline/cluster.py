@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from pipeline import events
 from pipeline.console import capture_ray_logs
+from pipeline.own_cluster import with_hook
 from pipeline.tracking import cluster_store_problem, credentials_env
 
 if TYPE_CHECKING:  # annotations only
@@ -55,7 +56,7 @@ def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda messag
         _check_reachable(address)
         runtime_env = job_runtime_env(PROJECT_ROOT)
         try:
-            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            ray.init(address=address, log_to_driver=True, runtime_env=with_hook(runtime_env))
             capture_ray_logs()  # workers' output: ours to the console, the rest to the stage's log file
         except (ConnectionError, RuntimeError, ValueError) as exc:
             from pipeline.errors import UserError
@@ -84,16 +85,23 @@ def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda messag
                 raise
     else:
         gib = ray_cfg.object_store_memory_gb
-        ray.init(
-            num_cpus=ray_cfg.local_num_cpus(),
-            object_store_memory=int(gib * 2**30) if gib else None,
-            # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
-            include_dashboard=True,
-        )
+        started = init_local(ray_cfg.local_num_cpus(), int(gib * 2**30) if gib else None)
         events.record_start("ray", detail="local")
         _record_local_session()
         capture_ray_logs()
+        # Another run's Ray may hold the default dashboard port: say which one is this run's.
+        log(f"started this run's own Ray at {ray.get_runtime_context().gcs_address} "
+            f"(dashboard http://{started.dashboard_url})")
     return True
+
+
+def init_local(num_cpus: int, object_store_memory: int | None = None):
+    """Start a local Ray whose workers address it, not another run's Ray on the machine (own_cluster.py)."""
+    import ray
+
+    # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
+    return ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=True,
+                    runtime_env=with_hook(None))
 
 
 def job_runtime_env(project_root: Path) -> dict | None:

@@ -233,7 +233,9 @@ def ray_local():
     # its own: S3 clients without any send unsigned uploads, which moto stores still chunk-encoded.
     for name, value in CREDENTIALS.items():
         os.environ.setdefault(name, value)
-    ray.init(num_cpus=8, include_dashboard=True)  # the dashboard serves the state API Ray Train polls
+    from pipeline.cluster import init_local
+
+    init_local(num_cpus=8)  # as a run starts its own: its workers address it, whatever else runs here
     from pipeline.events import record_start
 
     record_start("ray", detail="the session's Ray (ray_local)")

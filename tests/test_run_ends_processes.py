@@ -9,6 +9,7 @@ the command returns."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -17,7 +18,7 @@ from conftest import ROOT, SMOKE
 from helpers.procs import watched
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
-STARTS = {"pipelines": 2, "ray": 2, "train_groups": 1}
+STARTS = {"pipelines": 4, "ray": 4, "train_groups": 3}
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +70,31 @@ def test_ctrl_c_during_sft_exits_130_and_ends_every_process(smoke_upstream, tmp_
         assert run.left_running() == {}
     finally:
         run.end_left_running()
+
+
+@pytest.mark.tier("faults", covers=("pipeline/cluster.py", "pipeline/own_cluster.py", "stages/common/training.py"))
+def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(tmp_path):
+    """Issue 59, item 1: two runs at once on one machine (a cron job beside a manual run). Ray Train's
+    PlacementGroupCleaner used to find both runs' Rays and print `Found multiple active Ray instances` as a
+    traceback on the console; each run now addresses its own cluster, and ends only its own processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda name: _run(f"run_dir={tmp_path / name}", "--to", "sft"), ("a", "b")))
+    try:
+        addresses = []
+        for run in runs:
+            assert run.returncode == 0, run.output[-3000:]
+            found = re.search(r"started this run's own Ray at (\S+)", run.output)
+            assert found, run.output[-3000:]
+            addresses.append(found.group(1))
+        assert addresses[0] != addresses[1]
+        for run, (name, other) in zip(runs, (("a", addresses[1]), ("b", addresses[0]))):
+            logs = "".join(p.read_text(errors="replace") for p in (tmp_path / name).rglob("*.log"))
+            for text in (run.output, logs):
+                assert "Traceback" not in text and "multiple active Ray" not in text, text[-3000:]
+                assert other not in text
+            assert run.left_running() == {}
+    finally:
+        for run in runs:
+            run.end_left_running()
