@@ -304,6 +304,54 @@ def test_every_documented_command_parses(path):
     assert not problems, "commands that would fail as written:\n" + "\n".join(problems)
 
 
+MODEL_URI = re.compile(r"models:/([\w.-]+)(?:@([\w.-]+)|/\d+)?")
+
+
+def registered_names() -> tuple[set[str], set[str]]:
+    """The model names and aliases the pipeline registers: the serve stage's defaults and any a shipped config
+    sets (`stages.serve.registry`); nothing else registers a model."""
+    from stages.serve import RegistryConfig
+
+    fields = RegistryConfig.model_fields
+    names, aliases = {fields["model_name"].default}, {fields["alias"].default}
+    for config in (ROOT / "configs").glob("**/*.yaml"):
+        text = config.read_text(encoding="utf-8")
+        names.update(re.findall(r"^\s*model_name:\s*['\"]?([\w.-]+)", text, re.M))
+        aliases.update(re.findall(r"^\s*alias:\s*['\"]?([\w.-]+)", text, re.M))
+    return names, aliases
+
+
+def unregistered_models(path: Path) -> list[str]:
+    """`models:/NAME@ALIAS` URIs a page shows that no stage registers (a placeholder in capitals is not one)."""
+    names, aliases = registered_names()
+    problems = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for m in MODEL_URI.finditer(line):
+            name, alias = m.group(1), m.group(2)
+            if name.isupper():
+                continue
+            if name not in names or (alias and not alias.isupper() and alias not in aliases):
+                problems.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{number}: "
+                                f"{m.group(0)}: nothing registers it (registered: {', '.join(sorted(names))} "
+                                f"@ {', '.join(sorted(aliases))}); name a model directory, or register it first")
+    return problems
+
+
+@pytest.mark.parametrize("path", page_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_registry_uri_the_docs_show_is_registered(path):
+    """docs/serving.md showed `--reward-model models:/posttrain-reward@champion`, which nothing registers."""
+    problems = unregistered_models(path)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_registry_check_finds_an_unregistered_model(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("serve models:/posttrain-policy@champion or models:/NAME@ALIAS;\n"
+                    "score with --reward-model models:/posttrain-reward@champion\n")
+    assert [p.split(": nothing")[0] for p in unregistered_models(page)] == [
+        "page.md:2: models:/posttrain-reward@champion"]
+
+
 def test_the_docs_show_commands_and_name_paths():
     """The two checks above look at something: the README's first command and the cli page's are found."""
     readme = [argv for _, argv in shell_commands(README.read_text(encoding="utf-8"))]
