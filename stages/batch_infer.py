@@ -1,6 +1,6 @@
 """Batch inference: completions for a prompts dataset through Ray Data and vLLM, scored, as Parquet.
 
-    prompts (jsonl / parquet; default: the data stage's held-out prompts)
+    prompts (any file the data stage reads, through its readers; default: the data stage's held-out prompts)
       -> Ray Data LLM processor (`ray.data.llm`): chat template -> tokenize -> vLLM engine(s) -> detokenize
       -> [verifier: the task's answer check]  [reward model: a Ray Data actor scoring each completion]
       -> Parquet: <out>/predictions (one row per prompt) + summary.json
@@ -29,11 +29,11 @@ from pydantic import Field, field_validator
 from pipeline.errors import UserError
 from pipeline.schema import Section
 from stages.common.serving import EngineConfig, check_source
+from stages.data.files import SUFFIXES, file_type
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
 SOURCE_COLUMN = "__source__"  # the input row, carried through the processor as JSON
 
 
@@ -59,8 +59,9 @@ class BatchInferConfig(Section):
 
     source: Literal["policy_model", "dpo_model", "sft_model", "base_model"] = Field(
         "policy_model", description="Which pipeline model answers (as a stage; the CLI's --model overrides it).")
-    prompts: Path | None = Field(None, description="A .jsonl or .parquet file (or a directory of .parquet files) "
-                                 "with one prompt per row. Empty: the data stage's held-out prompts.")
+    prompts: Path | None = Field(None, description="A file (JSON Lines or a JSON array, also gzipped; Parquet; CSV), "
+                                 "a directory of them or of Parquet shards, with one prompt per row, read as the data "
+                                 "stage reads its sources (docs/data.md). Empty: the data stage's held-out prompts.")
     prompt_field: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
     answer_field: str = Field("answer", min_length=1, description="Column holding the reference answer (for the verifier).")
     chat: bool = Field(True, description="Wrap each prompt as a user turn with the model's chat template; "
@@ -79,10 +80,10 @@ class BatchInferConfig(Section):
         v = v.expanduser().absolute()
         if not v.exists():
             raise ValueError(f"prompts file not found: {v} (relative paths start at the current directory)")
-        if v.is_file() and v.suffix.lower() not in SUFFIXES:
-            raise ValueError(f"{v.name}: unsupported format; use one of {', '.join(SUFFIXES)} (.json means JSON Lines)")
-        if v.is_dir() and not any(v.rglob("*.parquet")):
-            raise ValueError(f"{v}: a directory must hold .parquet files")
+        if v.is_file() and not file_type(v):
+            raise ValueError(f"{v.name}: unsupported format; use one of {', '.join(SUFFIXES)}")
+        if v.is_dir() and not any(p.is_file() and file_type(p) for p in v.rglob("*")):
+            raise ValueError(f"{v}: a directory must hold files of one of {', '.join(SUFFIXES)}")
         return v
 
 
@@ -204,20 +205,36 @@ class RewardScorer:
 
 
 def read_prompts(path: Path, prompt_field: str, run_storage=None):
-    """The prompts as a Ray Dataset, with a clear error when the prompt column is missing."""
+    """The prompts as a Ray Dataset, with a clear error when the prompt column is missing.
+
+    Read as the data stage reads its sources (`stages.data.files`): a file it refuses (a column of an
+    extension type, gzip data that ends early, a record over the caps, a link out of the directory) is
+    refused here with the same message, before Ray reads anything; so is a row that is not one (no output
+    row could stand for it). Parquet is then read by Ray (a run's artifact from its bucket); other files
+    on the driver, where each row is checked, then handed to Ray."""
     import ray.data
 
     from stages.common.parquet import read_parquet
+    from stages.data import files
+    from stages.data.sources import list_files
 
-    if path.is_dir() or path.suffix.lower() == ".parquet":
-        ds = read_parquet(path, run_storage)
-    else:
-        ds = ray.data.read_json(str(path), lines=True)
-    columns = ds.columns() or []
+    ds, rows = None, []
+    try:
+        found = list_files(str(path)) if path.exists() else []  # absent: a run's artifact, in its bucket only
+        if all(file_type(f) == "parquet" for f in found):
+            for f in found:
+                files.check(f)
+            ds = read_parquet(path, run_storage)
+            columns = ds.columns() or []
+        else:
+            rows = [row for f in found for row in files.rows(f, strict=True)]
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+    except ValueError as exc:  # safe_read.Refused, a link out, nothing to read
+        raise UserError(str(exc)) from None
     if prompt_field not in columns:
         raise UserError(f"{path}: no {prompt_field!r} column (columns: {', '.join(columns) or 'none'}); "
                         f"set prompt_field to the column that holds the prompts")
-    return ds
+    return ds if ds is not None else ray.data.from_items([{k: r.get(k) for k in columns} for r in rows])
 
 
 def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
@@ -375,8 +392,8 @@ def add_arguments(parser) -> None:
     """`python -m pipeline batch-infer CONFIG [--model URI] [--prompts FILE] [--output DIR] [--reward-model URI]`."""
     parser.add_argument("--model", help="models:/NAME@ALIAS or a local model directory (default: the serve stage's "
                         "registered model, models:/<stages.serve.registry.model_name>@<alias>)")
-    parser.add_argument("--prompts", type=Path, help="a .jsonl or .parquet file of prompts (default: "
-                        "stages.batch_infer.prompts)")
+    parser.add_argument("--prompts", type=Path, help="a file of prompts: .jsonl/.json (also .gz), .parquet or .csv "
+                        "(default: stages.batch_infer.prompts)")
     parser.add_argument("--output", type=Path, help="a new directory for the results (default: "
                         "<run_dir>/batch_infer/<time>)")
     parser.add_argument("--reward-model", help="a reward model (registry URI or directory) to score completions with")

@@ -79,6 +79,7 @@ def test_a_teacher_is_a_model_directory_and_rewards_the_policy_alone(tmp_path):
         smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}")
     teacher.mkdir()
     (teacher / "config.json").write_text("{}")
+    (teacher / "model.safetensors").write_bytes(b"")  # the checkpoint check model.source gets (test_readers_trust)
     cfg = smoke_config(tmp_path, f"stages.ppo.distill.teacher={teacher}", "stages.ppo.algorithm=grpo",
                        "stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0")
     assert cfg.stages.ppo.distill.teacher == teacher and cfg.stages.ppo.distill.weight == 1.0
@@ -112,6 +113,7 @@ def test_a_teacher_may_be_a_run_or_a_stage_artifact_and_resolves_to_its_checkpoi
         smoke_config(tmp_path, f"stages.ppo.distill.teacher={run}")  # the manifest, but not the model's files
     for model in (ppo, sft):
         (model / "config.json").write_text("{}")
+        (model / "model.safetensors").write_bytes(b"")
     resolve = lambda given: smoke_config(tmp_path, f"stages.ppo.distill.teacher={given}").stages.ppo.distill.teacher  # noqa: E731
     assert resolve(run) == ppo  # the newest policy
     assert resolve(f"{run}:sft") == sft

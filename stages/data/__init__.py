@@ -124,7 +124,7 @@ def eval_groups(cfg: DataConfig) -> frozenset | None:
                 good, _ = check_row("prompts", row, src.format, src.columns)
                 if good:
                     groups.add(good["group"])
-        except ValueError as exc:  # a save_to_disk directory refused (a missing split, a column of an extension type)
+        except ValueError as exc:  # a file refused (safe_read.Refused), as the other kinds' are; a missing split
             raise DataError(f"stages.data.sources.eval[{i}]: {exc}") from None
     if not groups:
         raise DataError("stages.data.sources.eval: no usable rows (they need a 'prompt'; map yours with `columns:`)")
@@ -161,8 +161,9 @@ def _checked(sources, cfg: DataConfig, pcfg, progress):
     for kind, src in sources:
         try:
             parts.append(read_kind(kind, src, cfg, pcfg.seed, held_out))
-        except ValueError as exc:  # a source's columns fit no format, a missing split, an unparsable JSON array
-            raise DataError(f"stages.data.sources.{kind}: {exc}") from None
+        except ValueError as exc:  # a file refused (safe_read.Refused), columns that fit no format, a missing split
+            at = f"[{getattr(cfg.sources, kind).index(src)}]" if isinstance(src, SourceConfig) else ""
+            raise DataError(f"stages.data.sources.{kind}{at}: {exc}") from None
         progress(f"{kind}: {len(src)} generated rows" if isinstance(src, list) else
                  f"{kind}: {src.describe()}: {len(src.files())} file(s), {_format_note(kind, src)}")
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]

@@ -1,22 +1,29 @@
 """Reading a user's files without trusting them: what may be read, up to what size, and how.
 
-The data stage reads whatever files a config names, so each reader here either yields rows, counts a
-bad one, or says which file (and line) is wrong, what is wrong and the fix; none may crash, run code
-or exhaust the driver:
+Every source of rows reads through here, whatever kind it is (the data stage's sft, preference, prompts
+and eval sources, batch inference's prompts), so a file gets one answer wherever it enters: each reader
+either yields rows, counts a bad one, or refuses the file, naming it (and the line, or the column), what
+is wrong and the fix. None may crash, run code or exhaust the driver. What refuses a file (a `Refusal`,
+not a bad row; `stages.data.files.refusal` finds the first):
 
-- **Parquet and `save_to_disk` columns of an extension type are refused unread.** An extension type
-  is a Python library's own column type; reading its values runs that library's code, and Ray's
-  `ray.data.arrow_pickled_object` unpickles them (a crafted file runs code on whoever reads it). Only
-  the schema is read (the types' constructors, never their values), and the column is named.
-- **Files found twice through links are read once**, and a link back up the tree (a loop) ends the walk
-  there: directories are walked following links, each real directory once, and files deduplicated by
-  their real path (`glob`'s `**` follows every link, so a loop read one file 41 times).
-- **Caps** (`MAX_*` below, in docs/data.md): a gzip file unpacks to at most `MAX_GZIP_BYTES` (a small
+- **A Parquet or `save_to_disk` column of an extension type**, refused unread: reading its values runs the
+  defining library's code, and Ray's `ray.data.arrow_pickled_object` unpickles them (a crafted file runs
+  code on whoever reads it). Only the schema is read, and the column is named
+  (`stages.common.parquet.schema_problem`, which every Parquet reader runs).
+- **The caps** (`MAX_*` below, in docs/data.md): a gzip file unpacks to at most `MAX_GZIP_BYTES` (a small
   file can unpack to terabytes, and Ray reads a file whole into one worker); a JSON array, which the
-  driver parses (streamed, item by item) and holds, to `MAX_JSON_ARRAY_BYTES`; one record (a JSON
-  line, a CSV row) to `MAX_RECORD_BYTES`. A JSON record nested too deeply to parse is a bad row.
-- **gzip data that is truncated, corrupt or not gzip** is an error naming the file, checked on the
-  driver before Ray reads it (Ray's reader would fail with a traceback, or stop early).
+  driver parses (streamed, item by item) and holds, to `MAX_JSON_ARRAY_BYTES`; one record (a JSON line,
+  an array item, a CSV row) to `MAX_RECORD_BYTES`, nested at most `MAX_DEPTH` levels. A cap refuses, as a
+  gzip bomb does: such a record is no accident of the data, and every reader stops there the same way.
+- **Data a reader cannot go on past**: gzip data that is truncated, corrupt or not gzip; a malformed JSON
+  array; a CSV file the csv module cannot parse.
+- **A link out of the source's folder**: files and directories are found following links, each real
+  directory once and each file once by its real path (`glob`'s `**` follows every link, so a loop read
+  one file 41 times), but a link that leads out of the folder (or the glob's fixed part) is refused,
+  naming the link and its target: it can name any file (`/proc/self/environ`, the process's secrets).
+
+An invalid row (not JSON, not an object, a missing field) is not a refusal: the data stage counts it
+(`on_bad_rows`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,17 @@ from typing import IO, Iterator
 MAX_GZIP_BYTES = 4 << 30
 MAX_JSON_ARRAY_BYTES = 1 << 30
 MAX_RECORD_BYTES = 16 << 20
+MAX_DEPTH = 100  # levels of nesting in one JSON record (a chat row needs about 6)
 GZIP_ERRORS = (OSError, EOFError, zlib.error)  # gzip.BadGzipFile is an OSError; truncation an EOFError
+
+
+class Refusal(str):
+    """A reason that refuses the whole file, not one row (a cap, data a reader cannot go on past, a column of an
+    extension type): a `str`, so it reads as any reason does, told apart by its type."""
+
+
+class Refused(ValueError):
+    """A file no reader may read: the message names it, where (line, row or column), what is wrong and the fix."""
 
 
 def size(n: int) -> str:
@@ -49,15 +66,44 @@ def has_magic(text: str) -> bool:
     return any(c in text for c in "*?[")
 
 
+def _under(real: str, top: str) -> bool:
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def link_out(path: Path, root: Path) -> Refused:
+    """The refusal of a link that leads out of its source's folder, naming the link and its target."""
+    real = os.path.realpath(path)
+    target = os.readlink(path) if os.path.islink(path) else real  # else a link above it in the tree
+    target = target if target == real else f"{target} ({real})"
+    return Refused(f"{path}: a link to {target}, outside {root} (the source's folder); a link out of a "
+                   "source's folder is refused, since it can name any file (/proc/self/environ holds the process's "
+                   "secrets); copy what it names into the folder, or give that path as a source of its own")
+
+
+def inside(paths: list[Path], root: Path | None) -> list[Path]:
+    """`paths`, after refusing (`Refused`) the first one whose real path leaves `root` through a link
+    (None: a source naming one file, which may be a link: its user named it)."""
+    if root is not None:
+        top = os.path.realpath(root)
+        for p in paths:
+            if not _under(os.path.realpath(p), top):
+                raise link_out(p, root)
+    return paths
+
+
 def walk_files(root: Path) -> Iterator[Path]:
     """Every file under `root`, in sorted order, following directory links but entering each real
-    directory once: a link to a directory already walked (a loop back up the tree) is skipped."""
+    directory once: a link to a directory already walked (a loop back up the tree) is skipped, and one
+    to a directory outside `root` refused (`Refused`, before anything in it is listed)."""
     seen: set[str] = set()
+    top = os.path.realpath(root)
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen:
             dirnames[:] = []
             continue
+        if not _under(real, top):
+            raise link_out(Path(dirpath), Path(root))
         seen.add(real)
         dirnames.sort()
         for name in sorted(filenames):
@@ -76,14 +122,20 @@ def _matches(parts: list[str], pattern: list[str]) -> bool:
         and fnmatch.fnmatchcase(parts[0], pattern[0]) and _matches(parts[1:], pattern[1:])
 
 
+def glob_root(pattern: str) -> Path:
+    """A glob's fixed part, the folder its matches lie under ('data' of 'data/**/*.jsonl')."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, p in enumerate(parts) if has_magic(p))
+    return Path(*parts[:fixed]) if fixed else Path(".")
+
+
 def glob_files(pattern: str) -> list[Path]:
     """The paths a glob matches; `**` walks with `walk_files` (each real directory once), not `glob`."""
     if "**" not in pattern:
         return [Path(p) for p in glob.glob(pattern)]
-    parts = Path(pattern).parts
-    fixed = next(i for i, p in enumerate(parts) if has_magic(p))
-    base = Path(*parts[:fixed]) if fixed else Path(".")
-    return [p for p in walk_files(base) if _matches(list(p.relative_to(base).parts), list(parts[fixed:]))]
+    base = glob_root(pattern)
+    rest = list(Path(pattern).parts[len(base.parts):])  # Path(".").parts is ()
+    return [p for p in walk_files(base) if _matches(list(p.relative_to(base).parts), rest)]
 
 
 def unique_files(paths: list[Path]) -> list[Path]:
@@ -101,54 +153,74 @@ def unique_files(paths: list[Path]) -> list[Path]:
 # --------------------------------------------------------------------------- gzip
 
 
-def gzip_reason(exc: BaseException, line: int | None = None) -> str:
+def gzip_reason(exc: BaseException, line: int | None = None) -> Refusal:
     """What a gzip read error means for the user, and the fix."""
     after = f" after line {line}" if line else ""
     if isinstance(exc, EOFError):
-        return f"the gzip data ends early{after} (the file is truncated); copy or compress it again, whole"
+        return Refusal(f"the gzip data ends early{after} (the file is truncated); copy or compress it again, whole")
     if isinstance(exc, gzip.BadGzipFile) and "Not a gzipped file" in str(exc):
-        return "not gzip data, though its name ends in .gz; compress it with gzip, or name it without .gz"
-    return f"corrupt gzip data{after} ({exc}); compress it again"
+        return Refusal("not gzip data, though its name ends in .gz; compress it with gzip, or name it without .gz")
+    return Refusal(f"corrupt gzip data{after} ({exc}); compress it again")
 
 
-def gzip_too_large() -> str:
-    return (f"unpacks to more than {size(MAX_GZIP_BYTES)} (the cap on one gzip file, which a reader holds whole); "
-            "split it into several files")
-
-
-def gzip_problem(path: Path) -> str | None:
-    """Why a .gz file cannot be read (not gzip, truncated, corrupt, or over `MAX_GZIP_BYTES` unpacked), else
-    None. Unpacks the whole file on the driver, a megabyte at a time, before Ray reads it whole."""
-    total = lines = 0
-    try:
-        with gzip.open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                total, lines = total + len(chunk), lines + chunk.count(b"\n")
-                if total > MAX_GZIP_BYTES:
-                    return gzip_too_large()
-    except GZIP_ERRORS as exc:
-        return gzip_reason(exc, lines)
-    return None
+def gzip_too_large() -> Refusal:
+    return Refusal(f"unpacks to more than {size(MAX_GZIP_BYTES)} (the cap on one gzip file, which a reader holds "
+                   "whole); split it into several files")
 
 
 # --------------------------------------------------------------------------- JSON
 
 
-def record_too_large() -> str:
-    return f"a record over {size(MAX_RECORD_BYTES)} (the cap on one JSON line or CSV row); split it or leave it out"
+def record_too_large() -> Refusal:
+    return Refusal(f"a record over {size(MAX_RECORD_BYTES)} (the cap on one JSON line or CSV row); split it or "
+                   "leave it out")
+
+
+def too_deep() -> Refusal:
+    return Refusal(f"a record nested more than {MAX_DEPTH} levels deep (the cap on one JSON record); flatten it or "
+                   "leave it out")
+
+
+def _deeper_than(value, cap: int) -> bool:
+    """Whether a parsed value nests lists and objects more than `cap` levels (walked without recursion)."""
+    todo = [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        if isinstance(v, (list, dict)):
+            if depth > cap:
+                return True
+            todo += [(c, depth + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return False
+
+
+def _may_be_too_deep(text: str) -> bool:
+    """A record with fewer brackets than `MAX_DEPTH` cannot nest deeper: most are never walked."""
+    return text.count("[") + text.count("{") > MAX_DEPTH
 
 
 def parse_record(text: str) -> dict | str:
-    """One JSON record (a line, an array item), or why it is not one: the reason counts as a bad row."""
+    """One JSON record (a line, an array item), or why it is not one: a `Refusal` (over a cap), or a reason
+    that counts as a bad row."""
     if len(text) > MAX_RECORD_BYTES:
         return record_too_large()
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         return f"invalid JSON ({exc.msg} at column {exc.colno})"
-    except RecursionError:
-        return "invalid JSON (nested too deeply to parse)"
+    except RecursionError:  # deeper than the parser goes, so far deeper than the cap
+        return too_deep()
+    if _may_be_too_deep(text) and _deeper_than(record, MAX_DEPTH):
+        return too_deep()
     return record if isinstance(record, dict) else "a record must be one JSON object"
+
+
+def record_refusal(text: str) -> Refusal | None:
+    """`parse_record`'s refusal of a record, if any, without parsing it unless it could be nested too deeply:
+    the check a file gets before Ray reads it, at the speed of reading its lines."""
+    if len(text) > MAX_RECORD_BYTES:
+        return record_too_large()
+    reason = parse_record(text) if _may_be_too_deep(text) else None
+    return reason if isinstance(reason, Refusal) else None
 
 
 def read_lines(f: IO[str]) -> Iterator[tuple[int, str]]:
@@ -249,10 +321,10 @@ def json_array_items(f: IO[str]) -> Iterator[tuple[int, str]]:
         raise ValueError(f"line {text.line_at(text.pos)}: invalid JSON (text after the array's closing ']')")
 
 
-def array_too_large() -> str:
-    return (f"a JSON array over {size(MAX_JSON_ARRAY_BYTES)} (the cap: the driver parses an array and holds its "
-            "rows); convert it to JSON Lines, one object a line (`jq -c '.[]' rows.json > rows.jsonl`), which is "
-            "read in parallel without a cap")
+def array_too_large() -> Refusal:
+    return Refusal(f"a JSON array over {size(MAX_JSON_ARRAY_BYTES)} (the cap: the driver parses an array and holds "
+                   "its rows); convert it to JSON Lines, one object a line (`jq -c '.[]' rows.json > rows.jsonl`), "
+                   "which is read in parallel without a cap")
 
 
 # --------------------------------------------------------------------------- CSV
@@ -269,43 +341,18 @@ def csv_row_too_large(row: dict) -> bool:
 # --------------------------------------------------------------------------- extension types
 
 
-def _extension_name(field) -> str | None:
-    """The extension type in a field, at any depth (a list of them, a struct field), or None. An
-    extension type no library registered reads back as its storage, its name kept in the metadata."""
-    import pyarrow as pa
-
-    name = (field.metadata or {}).get(b"ARROW:extension:name")
-    if name is not None:
-        return name.decode("utf-8", "replace")
-    t = field.type
-    if isinstance(t, pa.BaseExtensionType):
-        return t.extension_name
-    if pa.types.is_dictionary(t):
-        return _extension_name(pa.field("value", t.value_type))
-    children = ([t.key_field, t.item_field] if pa.types.is_map(t)
-                else [t.value_field] if hasattr(t, "value_field") else [t.field(i) for i in range(t.num_fields)])
-    return next(filter(None, map(_extension_name, children)), None)
-
-
-def extension_problem(schema) -> str | None:
+def extension_problem(schema) -> Refusal | None:
     """Why a table of this schema is refused (its first column of an extension type), else None."""
-    for field in schema:
-        name = _extension_name(field)
-        if name:
-            return (f"column '{field.name}' is of the extension type {name!r}, which only a Python library reads "
-                    "back, running its code (Ray's 'ray.data.arrow_pickled_object' unpickles each value, which can "
-                    "run any code), so the file is refused unread; write the column as text, numbers or lists "
-                    "(JSON text for structured values), or drop it")
-    return None
+    from stages.common.parquet import schema_problem
+
+    problem = schema_problem(schema)
+    return Refusal(problem) if problem else None
 
 
-def parquet_problem(path: Path) -> str | None:
+def parquet_problem(path: Path) -> Refusal | None:
     """Why a Parquet file cannot be read (not Parquet, or a column of an extension type), else None:
     only the footer (the schema) is read, no value."""
-    import pyarrow.parquet as pq
+    from stages.common.parquet import file_problem
 
-    try:
-        schema = pq.read_schema(path)
-    except Exception as exc:  # noqa: BLE001 - any pyarrow failure means "not a readable parquet file"
-        return f"not a readable Parquet file ({exc})"
-    return extension_problem(schema)
+    problem = file_problem(path)
+    return Refusal(problem) if problem else None

@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline.schema import Section
 import stages.data.safe_read as safe_read
+import stages.data.files as reader
 from stages.data.files import SUFFIXES, file_type, is_json_array, iter_rows, open_text
 from stages.data.formats import FORMATS, KINDS, detect_format, map_columns
 
@@ -78,27 +79,34 @@ class SourceConfig(Section):
 
     def files(self) -> list[Path]:
         """The files this source reads, sorted (a save_to_disk directory: its own files, for the cache key)."""
-        root = Path(self.path)
-        if is_hf_dataset(root):
-            return safe_read.unique_files([p for p in safe_read.walk_files(root) if p.is_file()])
-        if safe_read.has_magic(self.path):
-            found = safe_read.glob_files(self.path)
-        elif root.is_dir():
-            found = list(safe_read.walk_files(root))
-        else:
-            found = [root]
-        # a file reached twice through links is read once, under its first name in sorted order
-        usable = safe_read.unique_files([p for p in found if p.is_file() and file_type(p)])
-        if not usable:
-            unsupported = sorted({p.suffix or p.name for p in found if p.is_file()})
-            raise ValueError(f"{self.path}: no files to read{' (found ' + ', '.join(unsupported) + ')' if unsupported else ''}; "
-                             f"supported: {', '.join(SUFFIXES)} and `datasets` save_to_disk directories")
-        if root.is_file() and not file_type(root):
-            raise ValueError(f"{root.name}: unsupported file type; use one of {', '.join(SUFFIXES)}")
-        return usable
+        return list_files(self.path)
 
     def describe(self) -> str:
         return self.path if not self.columns else f"{self.path} (columns {self.columns})"
+
+
+def list_files(path: str) -> list[Path]:
+    """The files a source path reads, sorted: the file, every supported file under the directory, or the glob's
+    matches (a save_to_disk directory: its own files, for the cache key). A file reached twice through links
+    is read once, under its first name in sorted order; a link out of the directory (or the glob's fixed
+    part) is refused (`safe_read.inside`). Raises ValueError naming the path when nothing usable is there."""
+    root = Path(path)
+    if is_hf_dataset(root):
+        return safe_read.inside(safe_read.unique_files([p for p in safe_read.walk_files(root) if p.is_file()]), root)
+    if safe_read.has_magic(path):
+        folder, found = safe_read.glob_root(path), safe_read.glob_files(path)
+    elif root.is_dir():
+        folder, found = root, list(safe_read.walk_files(root))
+    else:
+        folder, found = None, [root]
+    usable = safe_read.unique_files([p for p in found if p.is_file() and file_type(p)])
+    if not usable:
+        unsupported = sorted({p.suffix or p.name for p in found if p.is_file()})
+        raise ValueError(f"{path}: no files to read{' (found ' + ', '.join(unsupported) + ')' if unsupported else ''}; "
+                         f"supported: {', '.join(SUFFIXES)} and `datasets` save_to_disk directories")
+    if root.is_file() and not file_type(root):
+        raise ValueError(f"{root.name}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+    return safe_read.inside(usable, folder)
 
 
 def source_list(value):
@@ -191,15 +199,6 @@ def load_hf(src: SourceConfig):
     return loaded
 
 
-def check_file(path: Path) -> None:
-    """Raise ValueError naming the file unless Ray may read it: no column of an extension type in a
-    Parquet file, whole gzip data within the cap in a .gz file. Run on the driver before Ray reads it."""
-    problem = (safe_read.parquet_problem(path) if file_type(path) == "parquet"
-               else safe_read.gzip_problem(path) if path.name.lower().endswith(".gz") else None)
-    if problem:
-        raise ValueError(f"{path}: {problem}")
-
-
 def json_array_records(path: Path) -> list[dict]:
     """A JSON array file's items as `text` records, parsed one item at a time (an item that is not an
     object stays, to be counted bad); a malformed or too large array, or an item nested too deeply to
@@ -212,8 +211,7 @@ def json_array_records(path: Path) -> list[dict]:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     except RecursionError:
-        raise ValueError(f"{path}: row {len(out) + 1}: invalid JSON (nested too deeply to parse, so the array "
-                         "cannot be read past it); fix or remove that item") from None
+        raise ValueError(f"{path}: row {len(out) + 1}: {safe_read.too_deep()}") from None
     except safe_read.ArrayTooLarge:
         raise ValueError(f"{path}: {safe_read.array_too_large()}") from None
     return out
@@ -222,7 +220,8 @@ def json_array_records(path: Path) -> list[dict]:
 def read_source(src: SourceConfig) -> list[tuple[object, bool]]:
     """Lazy Ray datasets of the source's raw rows, each with whether it holds JSON text: a `text` column
     of JSON records for JSON files, the file's own columns for Parquet, CSV and save_to_disk datasets.
-    Every file is checked first (`check_file`): a refused one raises ValueError naming it."""
+    Every file is checked first, on the driver (`files.check`): a refused one raises `safe_read.Refused`
+    (a ValueError) naming it, where and the fix, before Ray reads anything."""
     import pyarrow.csv
     import ray.data
 
@@ -232,7 +231,7 @@ def read_source(src: SourceConfig) -> list[tuple[object, bool]]:
         return [(ray.data.from_arrow(load_hf(src).with_format("arrow")[:]), False)]  # memory-mapped; indices applied
     by_type: dict[str, list[Path]] = {}
     for f in src.files():
-        check_file(f)
+        reader.check(f)
         by_type.setdefault(file_type(f), []).append(f)
     parts: list[tuple[object, bool]] = []
     for typ, paths in by_type.items():
@@ -252,11 +251,10 @@ def read_source(src: SourceConfig) -> list[tuple[object, bool]]:
 
 
 def records(src: SourceConfig):
-    """A source's raw records on the driver, in file order (parse errors are skipped: the Ray pass counts them)."""
+    """A source's raw records on the driver, in file order (invalid rows are skipped: the Ray pass counts them);
+    a refused file raises `safe_read.Refused`, as `read_source` does (`files.rows`)."""
     if is_hf_dataset(Path(src.path)):
         yield from load_hf(src)
         return
     for f in src.files():
-        for _, row in iter_rows(f):
-            if isinstance(row, dict):
-                yield row
+        yield from reader.rows(f)

@@ -150,21 +150,27 @@ class DistillConfig(Section):
     @classmethod
     def _a_model(cls, v) -> Path:
         """A checkpoint as given, or the policy a run or stage artifact holds (stages/common/runs.py, as
-        `pipeline compare` finds A and B)."""
+        `pipeline compare` finds A and B), refused as `model.source` is when it could run code on load
+        (pickle weights, `auto_map` code: `models.checkpoint_safety_problem`, the same check)."""
         from pipeline.errors import UserError
+        from stages.common.models import checkpoint_safety_problem
         from stages.common.runs import find_policy
 
         given = str(v)
         path = Path(given).expanduser().absolute()
         if (path / "config.json").is_file():
-            return path
-        try:
-            model = find_policy(given).model_dir
-        except UserError as exc:
-            raise ValueError(f"{given}: not a model directory (no config.json) nor a run's policy ({exc}); give a "
-                             "local HF checkpoint, a policy stage's artifact directory or a run directory") from None
-        if not (model / "config.json").is_file():
-            raise ValueError(f"{given}: its policy {model} has no config.json (a half-written artifact?)")
+            model = path
+        else:
+            try:
+                model = find_policy(given).model_dir
+            except UserError as exc:
+                raise ValueError(f"{given}: not a model directory (no config.json) nor a run's policy ({exc}); give "
+                                 "a local HF checkpoint, a policy stage's artifact directory or a run directory") from None
+            if not (model / "config.json").is_file():
+                raise ValueError(f"{given}: its policy {model} has no config.json (a half-written artifact?)")
+        problem = checkpoint_safety_problem(model)
+        if problem:
+            raise ValueError(problem)
         return model
 
 
