@@ -108,6 +108,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _closest_flag(parser: argparse.ArgumentParser, command: str, stray: list[str]) -> str:
+    """'; did you mean --from?' for a mistyped flag of `command` (argparse 3.11 suggests none)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    flags = [f for f in sub._option_string_actions if f.startswith("--")]
+    for word in stray:
+        close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1) if word.startswith("-") else []
+        if close:
+            return f"; did you mean {close[0]}? (python -m pipeline {command} --help lists them)"
+    return ""
+
+
 def parse_args(argv: list[str] | None = None):
     """The command line as `main` reads it; anything else exits 2 with argparse's message."""
     parser = _parser()
@@ -115,7 +128,7 @@ def parse_args(argv: list[str] | None = None):
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        parser.error(f"unrecognized arguments: {' '.join(stray)}{_closest_flag(parser, args.command, stray)}")
     if extra and not hasattr(args, "overrides"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
@@ -283,7 +296,7 @@ def _command(args, console, state: dict) -> int:
     summary = run_pipeline(cfg, args.config, console, **selection, summary=state["summary"])  # plans once, locked
     ran = sum(p.status == "miss" for p in summary["plan"])
     cached = sum(p.status == "hit" for p in summary["plan"])
-    print_outcomes(cfg, args.config, summary, console)
+    print_outcomes(cfg, args.config, summary, console, args.overrides)
     console.print(f"[bold green]done[/]: {ran} stage{'s' * (ran != 1)} run, {cached} cached; Ray "
                   f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
     return 0

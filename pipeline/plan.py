@@ -9,6 +9,7 @@ sections it reads, its code, library versions, its upstream stages' keys and its
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -78,10 +79,14 @@ def _closure(names: set[str], stages: list[StageSpec], downstream: bool) -> set[
 
 
 def select(stages: list[StageSpec], only=(), from_=None, to=None) -> set[str]:
+    """The names `--only`, or `--from`/`--to`, select; a UserError for an unknown name (with the closest
+    one) or a range that selects nothing (`--from ppo --to sft`: ppo is downstream of sft)."""
     names = [s.name for s in stages]
     for n in [*only, from_, to]:
         if n is not None and n not in names:
-            raise UserError(f"unknown stage '{n}'; stages are: {', '.join(names)}")
+            close = difflib.get_close_matches(n, names, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise UserError(f"unknown stage '{n}'; {hint}stages are: {', '.join(names)}")
     if only:
         if from_ or to:
             raise UserError("--only cannot be combined with --from/--to")
@@ -91,6 +96,9 @@ def select(stages: list[StageSpec], only=(), from_=None, to=None) -> set[str]:
         chosen &= _closure({from_}, stages, downstream=True)
     if to:
         chosen &= _closure({to}, stages, downstream=False)
+    if not chosen:
+        raise UserError(f"--from {from_} --to {to} selects no stage: '{to}' does not depend on '{from_}' "
+                        f"(stages in order: {', '.join(names)}); swap them, or use --only {from_},{to}")
     return chosen
 
 

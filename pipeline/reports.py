@@ -83,8 +83,20 @@ def registered_model(cfg, summary: dict) -> str | None:
         return None
 
 
-def print_outcomes(cfg, config_path, summary: dict, console) -> None:
-    """The end-of-run table: each stage, hit or miss, its time and what it achieved; then where to look."""
+def follow_up(command: str, config_path, overrides: list[str] = (), *extra: str) -> str:
+    """`python -m pipeline COMMAND CONFIG OVERRIDES... EXTRA...`, quoted for a shell: a command printed for the
+    person to run next reads the same run (its run_dir, its tracking store) only with the run's overrides.
+    Passwords are dropped, not masked (`redact(mask=None)`): the command then authenticates from the
+    environment (MLFLOW_TRACKING_PASSWORD, ...), as the run itself did since its config loaded."""
+    import shlex
+
+    return shlex.join(["python", "-m", "pipeline", command, *([str(config_path)] if config_path else []),
+                       *redact(list(overrides), mask=None), *extra])
+
+
+def print_outcomes(cfg, config_path, summary: dict, console, overrides: list[str] = ()) -> None:
+    """The end-of-run table: each stage, hit or miss, its time and what it achieved; then where to look,
+    as commands that work as printed (`follow_up`)."""
     from rich.table import Table
 
     rows = []
@@ -108,5 +120,8 @@ def print_outcomes(cfg, config_path, summary: dict, console) -> None:
     model = registered_model(cfg, summary)
     if model:
         console.print(f"registered model: {model}")
-    console.print(f"compare runs: python -m pipeline ui {config_path}")
+        console.print(f"serve it: {follow_up('serve', config_path, overrides, '--model', model)}",
+                      soft_wrap=True, markup=False)
+    console.print(f"browse this run's stages in the MLflow UI: {follow_up('ui', config_path, overrides)}",
+                  soft_wrap=True, markup=False)
 

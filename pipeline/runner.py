@@ -290,21 +290,37 @@ def run_pipeline(cfg: PipelineConfig, config_path: Path, console, only=(), from_
     "started_ray": bool}. Pass `summary` to have it filled as the run goes, so a caller still sees what
     finished when a stage fails.
     """
+    made = _first_missing(cfg.run_dir)  # what this run creates: removed again if it stops before any record
     check_run_dir(cfg.run_dir, cfg.min_free_gb)
     events.record_start("pipelines", detail=str(cfg.run_dir))
-    run_storage = RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
-    store = run_storage.artifacts  # the one artifact store of this run: planner, runner, workers' pulls
-    check_bucket(store.bucket)
     summary = summary if summary is not None else {}
-    with RunLock(cfg.run_dir):
-        planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), store)
-        plan = build_plan(cfg, planner=planner)
-        store.fps.save()
-        summary.update({"plan": plan, "stages": {}, "run_ids": {}, "durations": {}, "started_ray": False})
-        # Library output (Ray, vLLM, DeepSpeed, MLflow) goes to <run_dir>/logs when the command line routes it.
-        with console_mod.run_logs(cfg.run_dir):
-            _run_plan(cfg, config_path, console, planner, plan, run_storage, summary)
+    try:
+        run_storage = RunStorage.of(cfg)  # handed to every stage, which hands it to its workers
+        store = run_storage.artifacts  # the one artifact store of this run: planner, runner, workers' pulls
+        check_bucket(store.bucket)
+        with RunLock(cfg.run_dir):
+            planner = Planner(cfg, *selection(cfg, only, from_, to, force, registry), store)
+            plan = build_plan(cfg, planner=planner)
+            store.fps.save()
+            summary.update({"plan": plan, "stages": {}, "run_ids": {}, "durations": {}, "started_ray": False})
+            # Library output (Ray, vLLM, DeepSpeed, MLflow) goes to <run_dir>/logs when the command line routes it.
+            with console_mod.run_logs(cfg.run_dir):
+                _run_plan(cfg, config_path, console, planner, plan, run_storage, summary)
+    except UserError as exc:
+        # A usage error found while planning (a selected stage whose input was never made) exits 2, which
+        # promises nothing was written: the run directory this run made, holding no run yet, goes again.
+        if made is not None and not isinstance(exc, LockError) and "parent_run_id" not in summary:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     return summary
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The topmost of `path` and its parents that does not exist yet (None if `path` exists)."""
+    missing = None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing
 
 
 def _run_plan(cfg: PipelineConfig, config_path: Path, console, planner: Planner, plan: list[PlannedStage],

@@ -153,6 +153,31 @@ def is_local_store(tracking_uri: str) -> bool:
     return scheme in ("", "file") or scheme.startswith("sqlite")
 
 
+def local_store_path(tracking_uri: str) -> Path | None:
+    """The file or folder of a local store (`sqlite:///runs/x/mlflow.db`, `file:///...`, a bare path); None for
+    a server."""
+    if not is_local_store(tracking_uri):
+        return None
+    if tracking_uri.lower().startswith("sqlite"):
+        return Path(tracking_uri.partition(":///")[2]) if ":///" in tracking_uri else None
+    return Path(tracking_uri.removeprefix("file://"))
+
+
+def require_run(tracking_uri: str, what: str, command: str = "ui") -> None:
+    """A command that reads a run (`ui`; `serve` and `batch-infer` of a registered model) finds its tracking
+    store where it was told, or stops with exit 2: MLflow would create an empty store there and serve or
+    search it without a word (issue 59: `ui configs/full.yaml` after a run with run_dir=runs/elsewhere).
+    `what` begins the message (the command, or the model URI); `command` is the example's."""
+    path = local_store_path(tracking_uri)
+    if path is not None and not path.exists():
+        from pipeline.errors import UserError
+
+        raise UserError(f"{what}: no run has tracked to {path} (it does not exist), so there is nothing to read "
+                        "there; give the command the config and overrides the run was started with (the run's "
+                        f"summary prints them, e.g. `python -m pipeline {command} configs/full.yaml "
+                        "run_dir=runs/elsewhere`), or run the pipeline first")
+
+
 def cluster_store_problem(tracking_uri: str, nodes: int) -> str | None:
     """Why `tracking_uri` cannot serve a run on `nodes` Ray nodes, or None.
 

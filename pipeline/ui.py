@@ -11,7 +11,10 @@ import os
 import subprocess
 import sys
 
-from pipeline.tracking import redact
+from pipeline.errors import check_port_free
+from pipeline.reports import EXIT_FAILED
+from pipeline.tracking import redact, require_run
+
 
 def ui_url(cfg, port: int) -> str:
     """Where to open the UI: the run's experiment in MLflow's model-training view, its runs listed
@@ -42,10 +45,10 @@ def ui_url(cfg, port: int) -> str:
         return url
 
 
-def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Run a server command until it ends, or until Ctrl-C / SIGTERM stops it and every process it
-    started (its own process group: `mlflow ui` runs its web server and workers as children, which
-    outlived a SIGINT sent to this process alone)."""
+def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int | None:
+    """Run a server command until Ctrl-C / SIGTERM stops it and every process it started (its own process
+    group: `mlflow ui` runs its web server and workers as children, which outlived a SIGINT sent to this
+    process alone): None; or until it ends by itself: its exit code."""
     import signal
 
     proc = subprocess.Popen(cmd, start_new_session=True, env=env)
@@ -64,7 +67,7 @@ def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        return 0
+        return None
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -75,10 +78,18 @@ def run_ui(cfg, port: int, workers: int, console) -> int:
     if cfg.tracking_uri.startswith(("http://", "https://", "databricks")):
         console.print(f"this run tracks to a server: open {redact(cfg.tracking_uri)} in a browser")
         return 0
+    require_run(cfg.tracking_uri, "ui")  # before MLflow, which would create an empty store and serve it
+    check_port_free("127.0.0.1", port, "--port")  # before the address is printed
     # The store goes in the environment (MLflow's CLI reads MLFLOW_BACKEND_STORE_URI), not on the command
     # line, where `ps` would show a database store's password to every user of the machine.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
     console.print(f"MLflow UI for {redact(cfg.tracking_uri)} at {ui_url(cfg, port)} (Ctrl-C stops it)")
     # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
-    return _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ,
+    code = _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ,
                              "MLFLOW_BACKEND_STORE_URI": cfg.tracking_uri})
+    if code is None:  # Ctrl-C: the way a server run until Ctrl-C ends
+        return 0
+    # It stopped by itself (MLflow 3 exits 0 when uvicorn cannot bind): never a success.
+    console.print(f"[bold red]failed:[/] the MLflow UI server stopped by itself (exit {code}); its output is above")
+    return EXIT_FAILED
+

@@ -349,7 +349,12 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
 
     section = cfg.stages.batch_infer or BatchInferConfig()
     if prompts is not None:
-        section = BatchInferConfig.model_validate({**section.model_dump(), "prompts": prompts})
+        from pydantic import ValidationError
+
+        try:
+            section = BatchInferConfig.model_validate({**section.model_dump(), "prompts": prompts})
+        except ValidationError as exc:  # a usage error (exit 2), said as the config's errors are
+            raise UserError("--prompts: " + "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     if section.prompts is None:
         raise UserError("batch-infer: no prompts; pass --prompts FILE or set stages.batch_infer.prompts")
     output = (output or cfg.run_dir / "batch_infer" / time.strftime("%Y%m%d-%H%M%S")).absolute()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,10 @@ def test_run_then_cached_rerun_without_ray(finished_smoke):
     assert all(f"{s} " in table for s in ("model", "data", "sft", "reward", "ppo", "serve"))
     assert "held-out prompts (sign test p=" in table and "pairwise accuracy" in table
     assert "registered model: models:/posttrain-policy@champion" in table
-    assert f"compare runs: python -m pipeline ui {SMOKE}" in table
+    # ... as commands that read this run as printed: with its overrides (run_dir=...), labelled for what they do
+    assert f"browse this run's stages in the MLflow UI: python -m pipeline ui {SMOKE} run_dir={run_dir} " in table
+    assert f"serve it: python -m pipeline serve {SMOKE} run_dir={run_dir} " in table
+    assert "--model models:/posttrain-policy@champion" in table
     # Only our lines reach the console (output not a terminal); library output is in each stage's
     # log file, which is also on the stage's MLflow run.
     console = (first.stdout + first.stderr).splitlines()
@@ -177,10 +181,13 @@ def test_the_mlflow_ui_lists_each_run_with_its_outcomes_and_its_stages(finished_
     from pipeline.config import load_config
 
     assert CHROMIUM, "headless Chromium is needed: `make setup` installs it (scripts/setup.sh, Debian package chromium)"
-    run_dir, _ = finished_smoke
+    run_dir, run = finished_smoke
     port = free_port()
-    with server_process([sys.executable, "-m", "pipeline", "ui", str(SMOKE), f"run_dir={run_dir}", "--port",
-                         str(port)], port) as (url, _proc):
+    # The command the run's summary printed, as printed (with a free port: another test may hold 5000)
+    printed = next(line for line in run.stdout.splitlines() if line.startswith("browse this run's stages"))
+    command = shlex.split(printed.partition(": ")[2])
+    assert command[:3] == ["python", "-m", "pipeline"]
+    with server_process([sys.executable, *command[1:], "--port", str(port)], port) as (url, _proc):
         address = ui_url(load_config(SMOKE, [f"run_dir={run_dir}"]), port)
         SCREENSHOT.parent.mkdir(exist_ok=True)
         SCREENSHOT.unlink(missing_ok=True)

@@ -38,6 +38,21 @@ def test_a_policy_is_found_by_run_directory_stage_or_artifact_directory(tmp_path
         find_policy("0123456789abcdef0123456789abcdef")
 
 
+def test_a_run_directory_means_its_graphs_last_policy_not_the_newest_finished(tmp_path):
+    """Issue 59, item 5: `run --only sft --force sft` after a whole run finishes an sft artifact after the ppo
+    one; the run directory still means its ppo policy (and `compare DIR:sft DIR` pairs sft with ppo)."""
+    from pipeline.registry import STAGES
+    from stages.common.runs import POLICY_STAGES
+
+    run = fake_run(tmp_path / "run", {"sft": "2026-12-01T12:00", "ppo": "2026-12-01T11:00"}, ["a", "b"])
+    assert find_policy(str(run)).stage == "ppo"
+    assert find_policy(f"{run}:sft").stage == "sft"
+    dpo_only = fake_run(tmp_path / "dpo", {"sft": "2026-12-01T12:00", "dpo": "2026-12-01T11:00"}, ["a", "b"])
+    assert find_policy(str(dpo_only)).stage == "dpo"
+    # "the graph's last": the policy stages in the registry's order (downstream last) are POLICY_STAGES reversed
+    assert [s.name for s in STAGES if s.name in POLICY_STAGES] == list(reversed(POLICY_STAGES))
+
+
 def test_a_pair_on_different_prompts_or_tasks_is_refused_naming_why(tmp_path):
     a = find_policy(str(fake_run(tmp_path / "a", {"ppo": "1"}, ["p1", "p2", "p3"])))
     b = find_policy(str(fake_run(tmp_path / "b", {"ppo": "1"}, ["p1", "pX", "p3"])))

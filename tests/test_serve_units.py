@@ -448,6 +448,13 @@ def test_serve_command_without_a_config_names_the_missing_model(tmp_path, capfd,
     from conftest import cli_in_process
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
+    # No store there: no run to read, and none is made (MLflow would create an empty one and search it)
+    result = cli_in_process(capfd, "serve", f"run_dir={tmp_path}", "--model", "models:/no-such-model@champion")
+    assert result.returncode == 2 and "no run has tracked to " + str(tmp_path / "m.db") in result.stderr
+    assert not (tmp_path / "m.db").exists()
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").search_experiments()  # a store, without the model
     result = cli_in_process(capfd, "serve", f"run_dir={tmp_path}", "--model", "models:/no-such-model@champion")
     assert result.returncode == 2, result.stderr[-2000:]
     assert "models:/no-such-model@champion: not found in the model registry" in result.stderr

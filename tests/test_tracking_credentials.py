@@ -292,7 +292,7 @@ def test_a_database_stores_password_is_in_no_summary_plan_or_ui_line(tmp_path, u
 
     seen = {}
     monkeypatch.setattr(ui, "ui_url", lambda cfg, port: f"http://127.0.0.1:{port}/")
-    monkeypatch.setattr(ui, "_run_server", lambda cmd, env: seen.update(cmd=cmd, env=env) or 0)
+    monkeypatch.setattr(ui, "_run_server", lambda cmd, env: seen.update(cmd=cmd, env=env))  # None: Ctrl-C ended it
     console = Console(record=True, width=300)
     assert ui.run_ui(cfg, 5999, 1, console) == 0
     assert PLANTED not in console.export_text() and PLANTED not in " ".join(seen.get("cmd", []))
@@ -327,7 +327,8 @@ def test_cluster_workers_get_the_credentials_in_the_jobs_runtime_env(monkeypatch
     monkeypatch.setenv(cluster.JOB_DRIVER_ENV, json.dumps(
         {"runtime_env": {"working_dir": "gcs://x.zip", "env_vars": {"MLFLOW_TRACKING_USERNAME": USER}}}))
     assert cluster.ensure_ray(RayConfig(address="auto"))
-    assert calls[-1]["runtime_env"] == {"env_vars": {"MLFLOW_TRACKING_PASSWORD": PLANTED}}
+    assert calls[-1]["runtime_env"] == {"env_vars": {"MLFLOW_TRACKING_PASSWORD": PLANTED},
+                                        "worker_process_setup_hook": "pipeline.own_cluster.address_own_cluster"}
 
 
 def test_submit_ships_the_user_but_never_the_password(monkeypatch, tmp_path):

@@ -94,7 +94,7 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
     from mlflow.tracking import MlflowClient
 
     from pipeline.errors import UserError
-
+    from pipeline.tracking import require_run
     from stages.common.models import checkpoint_safety_problem
 
     def safe(path: Path) -> Path:
@@ -109,6 +109,7 @@ def fetch(uri: str, tracking_uri: str, cache_dir: Path) -> Path:
             raise UserError(f"--model {uri}: not a model directory (no config.json); give a registry URI "
                             "models:/NAME@ALIAS or a directory written by save_pretrained")
         return safe(path)
+    require_run(tracking_uri, uri, "serve")  # before MLflow, which would create an empty store to search
     client = MlflowClient(tracking_uri=tracking_uri)
     name, _, ref = uri.removeprefix("models:/").partition("@")
     try:

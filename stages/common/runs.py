@@ -1,7 +1,8 @@
 """A run's trained policy, found from its files (or its MLflow run id): `pipeline compare`'s A and B, and a
 distillation teacher (`stages.ppo.distill.teacher`).
 
-A run directory means its newest finished policy stage (ppo, dpo or sft; `DIR:STAGE` picks one); a stage's
+A run directory means its final policy: the graph's last finished policy stage (ppo, else dpo, else sft; `DIR:STAGE`
+picks one), that stage's newest artifact; a stage's
 artifact directory (`<run_dir>/artifacts/<stage>/<key>`) means that one; an MLflow run id (of a pipeline run
 or of one of its stage runs) means the artifact that run made, on this machine. Reads manifests only:
 nothing is loaded or trained here.
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 
-POLICY_STAGES = ("ppo", "dpo", "sft")  # the stages whose output is a policy, the usual last one first
+POLICY_STAGES = ("ppo", "dpo", "sft")  # the stages whose output is a policy, the graph's last one first
 OUTPUT = {"ppo": "policy_model", "dpo": "dpo_model", "sft": "sft_model"}
 RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 FORMS = ("a run directory (DIR, or DIR:STAGE with STAGE one of ppo, dpo, sft), a stage's artifact directory "
@@ -73,19 +74,20 @@ def _from_artifact_dir(given: str, directory: Path) -> Policy:
     return Policy(given, manifest["stage"], manifest["key"], directory.parents[2], manifest)
 
 
-def _newest(given: str, run_dir: Path, stage: str | None) -> Policy:
+def _final(given: str, run_dir: Path, stage: str | None) -> Policy:
+    """The run directory's final policy: its graph's last policy stage that has finished (ppo, else dpo, else sft;
+    `stage` if given), that stage's newest artifact. Not the newest of all: `--only sft --force sft` after a
+    whole run finishes an sft artifact after the ppo one, and `compare DIR:sft DIR` was refused as "the same
+    policy" (issue 59, item 5)."""
+    for name in (stage,) if stage else POLICY_STAGES:
+        found = [m for path in (run_dir / "artifacts" / name).glob("*/manifest.json")
+                 if (m := _read_manifest(path)) is not None]
+        if found:
+            manifest = max(found, key=lambda m: str(m.get("finished", "")))
+            return Policy(given, manifest["stage"], manifest["key"], run_dir, manifest)
     stages = (stage,) if stage else POLICY_STAGES
-    found = []
-    for name in stages:
-        for path in (run_dir / "artifacts" / name).glob("*/manifest.json"):
-            manifest = _read_manifest(path)
-            if manifest is not None:
-                found.append((str(manifest.get("finished", "")), manifest))
-    if not found:
-        raise UserError(f"{given}: no finished {' or '.join(stages)} stage under {run_dir / 'artifacts'}; run the "
-                        f"pipeline there first, or give {FORMS}")
-    manifest = max(found, key=lambda item: item[0])[1]
-    return Policy(given, manifest["stage"], manifest["key"], run_dir, manifest)
+    raise UserError(f"{given}: no finished {' or '.join(stages)} stage under {run_dir / 'artifacts'}; run the "
+                    f"pipeline there first, or give {FORMS}")
 
 
 def _from_run_id(given: str, tracking_uri: str | None) -> Policy:
@@ -129,7 +131,7 @@ def find_policy(given: str, tracking_uri: str | None = None) -> Policy:
     if (directory / "manifest.json").is_file():
         return _from_artifact_dir(given, directory)
     if (directory / "artifacts").is_dir():
-        return _newest(given, directory, stage or None)
+        return _final(given, directory, stage or None)
     if RUN_ID.match(given):
         return _from_run_id(given, tracking_uri)
     raise UserError(f"{given}: not found; give {FORMS}")

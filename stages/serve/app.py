@@ -14,13 +14,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import UserError
+from pipeline.errors import UserError, check_port_free
 from stages.serve.guard import LimitsConfig, RequestGuard, cors_options
 
 if TYPE_CHECKING:  # annotations only
@@ -232,16 +231,6 @@ def api_key(cfg: ServeConfig) -> str | None:
     return value
 
 
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise UserError(f"stages.serve.http.port: cannot bind {host}:{port} ({exc.strerror}); another server is "
-                            "using it: stop it or pick another port (stages.serve.http.port=...)") from None
-
-
 def serve_running() -> bool:
     """Whether Ray Serve already runs on this Ray cluster (its controller actor exists)."""
     import ray
@@ -292,7 +281,7 @@ class Server:
                             f"(serve.delete({APP!r})) or run the pipeline on another cluster")
         self.started_serve = not already
         if self.started_serve:  # a running Serve's proxy already holds its port
-            _check_port_free(self.cfg.http.host, self.cfg.http.port)
+            check_port_free(self.cfg.http.host, self.cfg.http.port, "stages.serve.http.port")
         serve.start(http_options={"host": self.cfg.http.host, "port": self.cfg.http.port})
         stop = threading.Event()
         if self.advance:
