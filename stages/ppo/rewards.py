@@ -273,8 +273,11 @@ class RuleReward:
 
         # num_cpus 0: the workers share the stage's CPUs rather than holding bundles of their own (a reward
         # call is short; a code-execution reward's sandbox process is limited on its own).
-        actor = ray.remote(num_cpus=0, max_restarts=0)(RewardWorker).remote(self.spec, import_root(self.spec),
-                                                                         self._kind)
+        from stages.ppo.sandbox.tiers import allowance_env
+
+        # runtime_env: whether its sandbox may be a weak tier (stages.ppo.sandbox.allow_weak, set in this process)
+        actor = ray.remote(num_cpus=0, max_restarts=0)(RewardWorker).options(
+            runtime_env={"env_vars": allowance_env()}).remote(self.spec, import_root(self.spec), self._kind)
         return actor, actor.ready.remote()
 
     def _await_ready(self, starting: dict) -> list[int]:

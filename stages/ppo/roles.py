@@ -117,7 +117,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
     from stages.common.engines import EnginePool, EngineSpec
     from stages.common.models import load_tokenizer, saved_heads
     from stages.ppo.rewards import ErrorBudget
-    from stages.ppo.sandbox import check_isolation, model_code_users
+    from stages.ppo.sandbox import allowance_env, check_isolation, model_code_users, permit
     from stages.ppo.scoring import rule_reward
 
     # The policy starts from the SFT model (the base model in a pipeline without sft); the critic from the
@@ -130,6 +130,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
     if len(train_rows) < cfg.prompts_per_iteration:
         raise UserError(f"stages.ppo.prompts_per_iteration ({cfg.prompts_per_iteration}) exceeds the {len(train_rows)} "
                         "training prompts; lower it or generate more prompts (stages.data.generate.prompts)")
+    permit(cfg.sandbox.allow_weak)  # run_python's own refusal, here and (allowance_env) in the workers
     users = model_code_users(cfg.rewards.rule, cfg.environment.name if cfg.environment else None)
     if users:  # model-written code runs in this stage: a weak sandbox is refused now; the tier goes on the run
         ctx.set_tags(check_isolation(cfg.sandbox.allow_weak, users, ctx.progress))
@@ -171,7 +172,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
                       gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
-                      storage=ctx.storage)
+                      storage=ctx.storage, env=allowance_env())  # the python tool's run_python
     try:
         roles = [("policy", cfg.policy, "causal", sft, True)]
         roles += [] if in_policy else [("reference", cfg.reference, "causal", sft, False)]

@@ -5,13 +5,14 @@ socket, eats memory or prints megabytes fails (scores 0) within `SandboxLimits.w
 and never stalls or damages the caller. docs/security.md is the user's account of what follows.
 
     run_python(code, limits, stdin) -> SandboxResult  # the process's exit, output (capped), timing and a reason
-    code_tests(prompt, response, row) -> float    # MBPP-style reward: 1.0 iff the harness ran every test to its end
+    code_tests(prompt, response, row) -> float    # MBPP-style reward: 1.0 iff every check holds, decided outside
     extract_code(response) -> str                 # the last ```python block, else any fenced block, else all
     isolation() -> str                            # the layers in use here, e.g. "bwrap+rlimits+uid"
     interpreter() -> str                          # the Python it runs, e.g. /usr/bin/python3
     describe() -> dict                            # tier, interpreter, what it hides: MLflow params sandbox_*
     check_isolation(allow_weak, users, log)       # the stage-start check: a weak tier is a UserError unless allowed
-    model_code_users(rule, environment) -> str    # what in a ppo config runs model-written code ("" if nothing)
+    model_code_users(rule, environment) -> str    # what in a ppo config runs model-written code, however spelled
+    permit(allow_weak), allowance_env()           # run_python's own refusal of a weak tier (WeakSandbox), per process
 
 The layers (each stops something the others may not):
 
@@ -50,7 +51,8 @@ The layers (each stops something the others may not):
 `isolation()` picks the first of these that works on this machine (each is probed once per process with a tiny
 program; `PIPELINE_SANDBOX=<name>` forces one, an error if it does not work here). STRONG are the first two;
 the other three are WEAK (what each fails to hide is in `WEAK`), and `check_isolation` refuses them for
-model-written code at the ppo stage's start unless `stages.ppo.sandbox.allow_weak`:
+model-written code at the ppo stage's start unless `stages.ppo.sandbox.allow_weak`, and `run_python` refuses them
+(WeakSandbox) in any process not allowed one (`permit`, PIPELINE_SANDBOX_ALLOW_WEAK=1), whatever calls it:
 
 1. `bwrap+rlimits+uid`: all layers. Needs root (for the uid) and bwrap. The interpreter is the first of the
    caller's `sys.executable`, /usr/bin/python3, /usr/local/bin/python3, `python3` on PATH that the fresh uid can run
@@ -76,11 +78,12 @@ model-written code at the ppo stage's start unless `stages.ppo.sandbox.allow_wea
 What even tier 1 cannot stop: reading the world-readable files of its own root (system libraries, the interpreter
 and its packages); CPU adding up across its tasks until the wall clock; a kernel exploit (no seccomp filter).
 
-code_tests runs a harness (`HARNESS`, `program_for`, `passed`): the response's code, the setup and each test in one
-namespace, each assert rewritten to compare only plain values of matching types, and a per-run secret the caller
-writes to stdin that the harness reads only after the last test and prints as its last line before os._exit(0).
-Exiting early, atexit hooks, a replaced excepthook or stdout, and values that equal anything then score 0
-(docs/security.md states the guarantee and its limits).
+code_tests decides its verdict outside the process that runs the response (issue 59): the caller splits the row's
+tests into probes (the calls of the response's code) and checks (`verdict.split`); the response's run evaluates
+only the probes and writes one type-tagged record each (`harness.HARNESS`); the caller accepts exactly one record
+per probe, in order, decodes plain values only and compares them with the expectations it alone holds; a check
+that is not `probe == literal` or a truth test runs in a second sandboxed run holding no code of the response
+(`harness.JUDGE`). docs/security.md states the threat model, the guarantee and its limits.
 
 Why the standard library where it is used: there is no maintained Python package that wraps bubblewrap, rlimits
 and uid changes; `subprocess`, `resource`, `selectors` and `os` are what such a package would use. The cgroup,
@@ -93,13 +96,15 @@ The package, one concern per module (imported bottom up, nothing back):
     cgroup.py    the common limit of all sandboxes of a process (TOTAL)
     process.py   one run: the launcher, reading the output against the clock and the cap, killing what is left
     tiers.py     choosing the isolation, describing it, refusing a weak one; run_python
-    harness.py   the code_tests reward: extract_code, the harness, the secret
+    verdict.py   the code_tests verdict in the caller: the tests split, the value codec, the comparison
+    harness.py   the code_tests reward: extract_code, the response's run, the judge's run
 """
 
 from __future__ import annotations
 
-from stages.ppo.sandbox.harness import code_tests, extract_code, passed, program_for, row_tests  # noqa: F401
+from stages.ppo.sandbox.harness import code_tests, extract_code, program_for, row_tests  # noqa: F401
 from stages.ppo.sandbox.process import SandboxLimits, SandboxResult  # noqa: F401
 from stages.ppo.sandbox.tiers import (  # noqa: F401
-    ALLOW_WEAK_KEY, ENV_VAR, HIDES, STRONG, TIERS, WEAK, announce, check_isolation, describe, interpreter, isolation,
-    make_undumpable, model_code_users, run_python)
+    ALLOW_ENV, ALLOW_WEAK_KEY, ENV_VAR, HIDES, STRONG, TIERS, WEAK, WeakSandbox, allowance_env, announce,
+    check_isolation, describe, interpreter, isolation, make_undumpable, model_code_users, permit, run_python,
+    weak_allowed)

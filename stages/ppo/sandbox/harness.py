@@ -1,16 +1,20 @@
-"""The `code_tests` reward (MBPP-style): the response's code, the row's setup and each test run by a harness
-(`HARNESS`, `program_for`) in one namespace, each assert rewritten to compare only plain values of matching
-types, and a per-run secret written to stdin that the harness prints only after the last test (`passed`).
-Exiting early, atexit hooks, a replaced excepthook or stdout, and values that equal anything score 0.
+"""The `code_tests` reward (MBPP-style), decided outside the process that runs the response: the row's tests are
+split in the caller (`verdict.split`) into probes (the calls of the response's code) and checks; the response's
+run (`HARNESS`, `program_for`) evaluates the probes and writes one type-tagged record per probe; the caller
+compares the values with the expectations it holds (`verdict.records`, `verdict.decide`), and a check that is
+not `probe == literal` runs in a second sandboxed run holding no code of the response (`JUDGE`, `judge_for`).
+Nothing the response does in its process (exiting, hooks, patched builtins, read descriptors or frames, forged
+output) can turn into a pass: only values equal to expectations it never sees. docs/security.md.
 """
 
 from __future__ import annotations
 
+import json
 import re
-import secrets
 
 from stages.ppo.sandbox.process import SandboxLimits, SandboxResult
 from stages.ppo.sandbox.tiers import run_python
+from stages.ppo.sandbox.verdict import RECORD, Plan, decide, decode, encode, equal, plain, records, source, split, value
 
 _OPEN = re.compile(r"[ \t]*([A-Za-z0-9_+.#-]*)")
 _PYTHON_TAGS = {"python", "python3", "py", "py3"}
@@ -69,122 +73,122 @@ def row_tests(row: dict) -> tuple[str, list[str]]:
     return setup, tests
 
 
-LIMITS = SandboxLimits()  # what `code_tests` runs with (tests set smaller ones)
 
-# The program code_tests runs: this harness, then a call with the response's code, the row's setup and its tests
-# as string literals. It runs the response's code, the setup and each test statement in one namespace (each
-# assert rewritten so that what it compares or tests must be a plain value: docs/security.md), then, only after
-# the last test statement ran, reads the run's secret from the pipe the parent wrote it to (stdin, moved off
-# fd 0 before the response's code runs) and writes `<secret>:<number of tests>` as the last line of stdout
-# with os.write, and leaves with os._exit(0): no hook of the response's (atexit, excepthook, finalizers, a
-# replaced sys.stdout) runs after it. The verdict needs that line, exactly once, last, with exit 0.
-HARNESS = r'''
-def __harness(response, setup, tests):
-    import ast, builtins, collections, os, sys
-    secret_fd = os.dup(0)  # the secret: read after the last test only
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    out, stdout = os.dup(1), sys.stdout
-    type_, len_, id_, str_ = type, len, id, str
-    atoms = {bool, int, float, complex, str, bytes, type(None)}
-    seqs = {list, tuple, set, frozenset}
-    maps = {dict, collections.Counter, collections.OrderedDict, collections.defaultdict}
-    numbers = {int, float}
+LIMITS = SandboxLimits()  # what each of `code_tests`' runs gets (tests set smaller ones)
 
-    def plain(value, depth=0):
-        t = type_(value)
-        if t in atoms:
-            return True
-        if depth > 100:
-            return False
-        if t in seqs:
-            return all(plain(v, depth + 1) for v in value)
-        if t in maps:
-            return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in dict.items(value))
-        return False
+# The response's run: this harness (with `verdict.encode`), then a call with the response's code, the imports the
+# tests need, the row's setup and the steps of `verdict.split` (the tests' other statements and the probes) as
+# literals. Everything is compiled before the response's code runs; then the response, the imports, the setup and,
+# in order, each statement and each probe run in one namespace. Each probe's value is written as one record line
+# (`verdict.RECORD`, its number, its tagged value) on a copy of fd 1 with os.write, then an end record, then
+# os._exit(0). It holds no expected value and no secret: what it writes is only a claim of values, which the
+# caller compares with expectations it alone holds, so nothing the response does here can make a pass.
+HARNESS = f'''
+RECORD = {RECORD!r}
+{source(encode)}
 
-    def value(v):
-        if not plain(v):
-            raise AssertionError("not a plain value (built-in types only): " + str_(type_(v).__name__))
-        return v
+def __harness(response, imports, setup, steps, probes):
+    import builtins, json, os
+    out, write, leave, dumps, str_ = os.dup(1), os.write, os._exit, json.dumps, str
+    compiled = [(s[0], s[1], compile(s[2], "<probe %d>" % s[1], "eval")) if s[0] == "probe"
+                else (s[0], -1, compile(s[1], "<test>", "exec")) for s in steps]
+    first = [compile(i, "<import>", "exec") for i in imports]
+    setup_code = compile(setup, "<setup>", "exec") if setup else None
+    run, evaluate, tag = exec, eval, encode
+    ns = {{"__name__": "__main__", "__builtins__": builtins}}
+    run(compile(response, "<response>", "exec"), ns)
+    for code in first:
+        run(code, ns)
+    if setup_code is not None:
+        run(setup_code, ns)
+    for kind, k, code in compiled:
+        if kind == "exec":
+            run(code, ns)
+            continue
+        record = dumps(tag(evaluate(code, ns)), ensure_ascii=True)
+        write(out, ("\\n" + RECORD + str_(k) + " " + record + "\\n").encode())
+    write(out, ("\\n" + RECORD + "end " + str_(probes) + "\\n").encode())
+    leave(0)
+'''
 
-    def equal(a, b):
-        value(a)
-        value(b)
-        ta, tb = type_(a), type_(b)
-        if not (ta is tb or (ta in numbers and tb in numbers) or (ta in maps and tb in maps)):
-            return False
-        return a == b
+# The judge's run, for checks that are not `probe == literal`, `probe` or `not probe`: no code of the response,
+# only the imports the tests need (the standard library's, the response's own import statements), the row's
+# setup, the tests' other statements and each check with its probes bound to their decoded values (`__v<k>`),
+# each assert's `==` type-strict and what it compares or tests plain (`verdict.equal`, `verdict.value`). Its last
+# line is the JSON list of the checks' outcomes.
+JUDGE = f'''
+{source(decode, plain, value, equal)}
 
-    def guard(node):
-        if isinstance(node, ast.Constant):
-            return node
-        if isinstance(node, ast.Compare):
-            if len_(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
-                return ast.Call(ast.Name("__sbx_equal", ast.Load()), [guard(node.left), guard(node.comparators[0])], [])
-            return ast.Compare(guard(node.left), node.ops, [guard(c) for c in node.comparators])
-        if isinstance(node, ast.BoolOp):
-            return ast.BoolOp(node.op, [guard(v) for v in node.values])
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            return ast.UnaryOp(node.op, guard(node.operand))
-        return ast.Call(ast.Name("__sbx_value", ast.Load()), [node], [])
-
-    def strict(source, name):
-        tree = ast.parse(source, name)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assert):
-                node.test = guard(node.test)
-        return compile(ast.fix_missing_locations(tree), name, "exec")
-
-    compiled = [strict(t, "<test %d>" % (i + 1)) for i, t in enumerate(tests)]  # before the response runs
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    exec(compile(response, "<response>", "exec"), ns)
+def __judge(imports, setup, steps, values):
+    import json, os
+    ns = {{"__name__": "__main__", "__equal": equal, "__value": value}}
+    for k, tagged in enumerate(values):
+        ns["__v%d" % k] = decode(tagged)
+    for statement in imports:
+        exec(statement, ns)
     if setup:
-        exec(compile(setup, "<setup>", "exec"), ns)
-    for code in compiled:
-        ns["__sbx_value"], ns["__sbx_equal"] = value, equal
-        exec(code, ns)
-    try:
-        stdout.flush()
-    except BaseException:
-        pass
-    secret = b""
-    while True:
-        chunk = os.read(secret_fd, 4096)
-        if not chunk:
-            break
-        secret += chunk
-    os.write(out, b"\n" + secret.strip() + b":" + str_(len_(compiled)).encode() + b"\n")
+        exec(setup, ns)
+    verdicts = []
+    for kind, text in steps:
+        if kind == "exec":
+            exec(text, ns)
+            continue
+        try:
+            verdicts.append(bool(eval(text, ns)))
+        except Exception:
+            verdicts.append(False)
+    os.write(1, ("\\n" + json.dumps(verdicts) + "\\n").encode())
     os._exit(0)
 '''
 
 
+def _program(code: str, setup: str, plan: Plan) -> str:
+    return f"{HARNESS}\n__harness({code!r}, {plan.imports!r}, {setup!r}, {plan.model!r}, {len(plan.probes)})\n"
+
+
 def program_for(response: str, row: dict) -> str | None:
-    """The program `code_tests` runs (HARNESS with the response's code, the row's setup code and its tests); None
-    without tests. The run's secret is not in it: code_tests writes it to the program's stdin."""
+    """The program of the response's run (HARNESS with the response's code, the row's setup and its probes); None
+    without tests. No expected value is in it."""
     setup, tests = row_tests(row)
     if not tests:
         return None
-    return f"{HARNESS}\n__harness({extract_code(response)!r}, {setup!r}, {tests!r})\n"
+    code = extract_code(response)
+    return _program(code, setup, split(setup, tests, code))
 
 
-def passed(result: SandboxResult, secret: str, tests: int) -> bool:
-    """Whether a harness run passed: exit 0 in time and within the output cap, and its last line of stdout is
-    `<secret>:<tests>`, the secret appearing nowhere else."""
-    marker = f"{secret}:{tests}"
-    lines = result.stdout.splitlines()
-    return (result.ok and result.stdout.endswith("\n") and bool(lines) and lines[-1] == marker
-            and result.stdout.count(secret) == 1)
+def judge_for(setup: str, plan: Plan, tagged: list) -> str:
+    """The program of the judge's run: JUDGE with the setup, the judged checks and the response's values."""
+    imports = plan.imports + plan.judge_imports
+    return f"{JUDGE}\n__judge({imports!r}, {setup!r}, {plan.judge!r}, {tagged!r})\n"
+
+
+def judged(result: SandboxResult, checks: int) -> bool:
+    """Whether the judge's run found every one of its `checks` true."""
+    lines = result.stdout.strip().splitlines()
+    if not (result.ok and lines):
+        return False
+    try:
+        verdicts = json.loads(lines[-1])
+    except ValueError:
+        return False
+    return type(verdicts) is list and len(verdicts) == checks and all(v is True for v in verdicts)
 
 
 def code_tests(prompt: str, response: str, row: dict) -> float:
-    """The code-execution reward for MBPP-style rows: 1.0 if the response's code (`extract_code`) followed by
-    the row's setup code and every test (`row_tests`) ran to the harness's last line in the sandbox
-    (`run_python` with `LIMITS`; `program_for`, `passed`), else 0.0; a row without tests scores 0.0."""
-    program = program_for(response, row)
-    if program is None:
+    """The code-execution reward for MBPP-style rows: 1.0 if the response's code (`extract_code`) gives every
+    probe of the row's tests (`row_tests`, `verdict.split`) a value that passes its check, decided by the caller
+    and, for checks other than `probe == literal`, a run without the response's code; else 0.0. A row without
+    tests scores 0.0; one whose tests cannot be split is a ValueError naming the test (the call's error, counted
+    by the rule reward: rewards.py)."""
+    setup, tests = row_tests(row)
+    if not tests:
         return 0.0
-    secret = secrets.token_hex(16)  # per run; never in the program, its argv or its environment
-    result = run_python(program, LIMITS, stdin=secret.encode() + b"\n")
-    return 1.0 if passed(result, secret, len(row_tests(row)[1])) else 0.0
+    code = extract_code(response)
+    plan = split(setup, tests, code)
+    result = run_python(_program(code, setup, plan), LIMITS)
+    tagged = records(result.stdout, len(plan.probes)) if result.ok else None
+    if tagged is None or not decide(plan, tagged):
+        return 0.0
+    if not plan.judged():
+        return 1.0
+    return 1.0 if judged(run_python(judge_for(setup, plan, tagged), LIMITS), len(plan.judged())) else 0.0

@@ -1,11 +1,14 @@
 """Which isolation this machine allows (`TIERS`, strongest first; each probed once per process with a tiny
-program, `PIPELINE_SANDBOX=<name>` forces one), what each hides (`HIDES`, `WEAK`), the stage-start check that
-refuses a weak tier for model-written code (`check_isolation`), and `run_python`: the entry point that runs
-code in the chosen tier.
+program, `PIPELINE_SANDBOX=<name>` forces one), what each hides (`HIDES`, `WEAK`), the refusal of a weak tier for
+model-written code (at the stage's start, `check_isolation`, for what `model_code_users` finds; and in every
+process at the call, `run_python`, unless `permit` or PIPELINE_SANDBOX_ALLOW_WEAK allows it), and `run_python`:
+the entry point that runs code in the chosen tier.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -29,6 +32,7 @@ WEAK = {  # what each other tier fails to hide (docs/security.md)
                "filesystem (reads and writes as the caller) and the other processes",
 }
 ALLOW_WEAK_KEY = "stages.ppo.sandbox.allow_weak"
+ALLOW_ENV = "PIPELINE_SANDBOX_ALLOW_WEAK"  # "1": this process may run model-written code in a weak tier
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
@@ -116,11 +120,69 @@ def check_isolation(allow_weak: bool, users: str, log: Callable[[str], None] = p
                     f"{ALLOW_WEAK_KEY}: true (docs/security.md).")
 
 
+# What runs model-written code, found by the object a spelling resolves to (module, qualified name): a rule spelled
+# `code_tests`, `stages.ppo.sandbox:code_tests` or `stages.ppo.sandbox.harness:code_tests` is the same function,
+# and an environment is the python tool when it is `environments.Python` or a subclass of it.
+CODE_RUNNERS = {"code_tests reward": ("stages.ppo.sandbox.harness", "code_tests"),
+                "python tool": ("stages.ppo.environments", "Python")}
+SHORT = {"code_tests": "stages.ppo.sandbox.harness:code_tests", "python": "stages.ppo.environments:Python"}
+
+
+def _resolve(spec: str | None):
+    """The object a 'module:name' spec (or a built-in short name) names; None when it does not import (the stage
+    reports that itself, naming its key)."""
+    spec = SHORT.get(spec, spec) if isinstance(spec, str) else None
+    if not spec or ":" not in spec:
+        return None
+    module, _, name = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # noqa: BLE001 - any import error: not ours to report here
+        return None
+    return obj
+
+
+def _is(obj, where: tuple[str, str]) -> bool:
+    if obj is None:
+        return False
+    chain = obj.__mro__ if isinstance(obj, type) else (inspect.unwrap(obj),)
+    return any((getattr(c, "__module__", None), getattr(c, "__qualname__", None)) == where for c in chain)
+
+
 def model_code_users(rule: str, environment: str | None) -> str:
     """What runs model-written code in a ppo stage configured with `rewards.rule` and `environment.name` (None: no
-    environment): "code_tests reward", "python tool", both joined by "and", or "" (then no check is needed)."""
-    users = [u for u, on in (("code_tests reward", rule == "code_tests"), ("python tool", environment == "python")) if on]
-    return " and ".join(users)
+    environment), however either is spelled: "code_tests reward", "python tool", both joined by "and", or "" (then
+    the stage-start check is not needed; `run_python` still refuses a weak tier to anything else that calls it)."""
+    found = (("code_tests reward", _resolve(rule)), ("python tool", _resolve(environment)))
+    return " and ".join(users for users, obj in found if _is(obj, CODE_RUNNERS[users]))
+
+
+_permitted: bool | None = None
+
+
+def permit(allow_weak: bool) -> None:
+    """Set whether this process may run model-written code in a weak tier (the ppo stage's `sandbox.allow_weak`);
+    `allowance_env` carries it to the processes it starts. Unset, PIPELINE_SANDBOX_ALLOW_WEAK=1 decides."""
+    global _permitted
+    _permitted = bool(allow_weak)
+
+
+def weak_allowed() -> bool:
+    """Whether `run_python` may run code in a weak tier in this process (`permit`, else PIPELINE_SANDBOX_ALLOW_WEAK)."""
+    if _permitted is not None:
+        return _permitted
+    return os.environ.get(ALLOW_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def allowance_env() -> dict[str, str]:
+    """This process's allowance as environment variables, for the Ray actors it starts (reward workers, engines)."""
+    return {ALLOW_ENV: "1" if weak_allowed() else "0"}
+
+
+class WeakSandbox(RuntimeError):
+    """`run_python` refused: the tier here is weak and this process was not allowed to use it."""
 
 
 _announced: set[str] = set()
@@ -252,6 +314,14 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: bytes 
     """Run `code` as a Python program in the sandbox (see the module docstring) and return its result. `stdin`:
     what the program reads on its standard input (none: /dev/null). Never raises for anything the code does;
     returns within about `limits.wall_s` (plus the one-off probe of `isolation()` on the first call of a
-    process). Makes this process undumpable first (`make_undumpable`)."""
+    process). Makes this process undumpable first (`make_undumpable`). Raises WeakSandbox, before running
+    anything, when the tier here is weak and this process is not allowed one (`weak_allowed`): the refusal holds
+    wherever model-written code runs, whatever named the function that runs it."""
     make_undumpable()
-    return process.run(_config(), code, limits, stdin)
+    cfg = _config()
+    if cfg.tier not in STRONG and not weak_allowed():
+        raise WeakSandbox(f"model-written code: the sandbox tier here is {cfg.tier!r} ({ENV_VAR}="
+                          f"{os.environ.get(ENV_VAR, 'auto')}), which cannot hide {WEAK[cfg.tier]}. To get a stronger "
+                          f"tier, {FIX}. To run it anyway (code you trust), set {ALLOW_WEAK_KEY}: true, or "
+                          f"{ALLOW_ENV}=1 in the environment of a process of your own (docs/security.md).")
+    return process.run(cfg, code, limits, stdin)
