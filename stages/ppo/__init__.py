@@ -25,7 +25,7 @@ What the loop stands on is in the package beside it, one concern per module:
     evaluation.py  the over-optimisation curve (`curve_point`) and the end (`finish`: export, held-out scores)
     rl.py          the pure RL math (tested)       scoring.py     rewards, held-out evaluation, sign test
     groups.py      ModelGroup: a model on N actors worker.py      PPOWorker: one rank of a role
-    rewards.py     the rule reward and its workers sandbox.py     code_tests' sandboxed Python
+    rewards.py     the rule reward and its workers sandbox/       model code sandboxed; code_tests
     environments.py, episodes.py                   multi-turn rollouts with tools (AgentEngine)
 
 The scoring passes (reward model, reference, old policy, critic) are issued together.
