@@ -2,15 +2,17 @@
 
 Our code reports through `pipeline.events` (`say`, `advance`) in any process of a run (the driver,
 a Ray Train worker, a Ray Data actor, a Tune trial); in a Ray worker an event is one marked line on
-stdout, which Ray forwards to the driver. The driver of `python -m pipeline run` installs a `Router`
-that shows those and takes over everything else the process and its workers print (Ray, vLLM, DeepSpeed, MLflow, httpx, C++ log lines):
+stdout, which Ray forwards to the driver. The driver of `python -m pipeline run`, and of each command
+registered `routed` (pipeline.registry), installs a `Router` that shows those and takes over everything
+else the process and its workers print (Ray, vLLM, DeepSpeed, MLflow, httpx, C++ log lines):
 
 - our lines go to the console; progress is a live bar with rate and ETA on a terminal, and plain
   periodic lines otherwise (cron, CI, `--json`: at most one per `PLAIN_INTERVAL_S` per phase, plus
   the first and the last);
-- library output goes to `<run_dir>/logs/<stage>.log` (`run.log` outside any stage), and with
-  `verbose` to the console as well; a library line that matters (an error, a traceback, a dead
-  engine or actor) still reaches the console as one line naming the log file.
+- library output goes to `<run_dir>/logs/<stage>.log` (`run.log` outside any stage; a command's to
+  its own log, `command_log`), and with `verbose` to the console as well; a library line that
+  matters (an error, a traceback, a dead engine or actor) still reaches the console as one line
+  naming the log file.
 
 Why the file descriptors and not logging handlers: half of the noise never passes through Python's
 logging (Ray's C++ core, tqdm bars, prints), so the router points fds 1 and 2 at a pipe that it
@@ -57,13 +59,16 @@ MAX_LINE = 1 << 20  # bytes without a newline (a tqdm bar's carriage returns) ro
 # Not Ray's C++ "E" lines: on this stack they are warnings about actor arguments, every run.
 NOTICE = re.compile(r"\bERROR\b|\bCRITICAL\b|Traceback \(most recent call last\)|EngineDeadError|ActorDiedError|"
                     r"\bOutOfMemory|out of memory|worker died|\bKilled\b")
+# Teardown, logged only: vLLM's output handler's EngineDeadError traceback (its call site on each line) when Ray Data
+# LLM stops the engine first, after every batch inference (Ray 2.60, vLLM 0.32); one dying at work still shows.
+TEARDOWN = re.compile(r"\[async_llm\.py:\d+\]")
 _SYNC = "\x00pipeline-sync "
 
 _router: Router | None = None
 
 
 class Router:
-    """Console and log files of one `python -m pipeline run` process (see the module docstring).
+    """Console and log files of one `python -m pipeline run` or routed command (see the module docstring).
 
     Build it first, then the rich consoles on `out` / `err` (duplicates of the original stdout and
     stderr), then `install` it; the runner wraps the run in `run_logs(run_dir)` (this router's
@@ -138,15 +143,15 @@ class Router:
         self._pump_thread.start()
 
     @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[Path | None]:
-        """Library output of the block goes to `logs/<name>.log` (the last run's is kept as `.1`); yields
-        its path, or None if it could not be opened (the block runs all the same)."""
+    def stage(self, name: str, log: str | None = None) -> Iterator[Path | None]:
+        """Library output of the block goes to `logs/<log or name>.log` (the last run's kept as `.1`); yields its
+        path, or None if it could not be opened (the block runs all the same). The console calls it `name`."""
         if not self._capturing:
             yield None
             return
         self._sync()
         self._stage, self._notices = name, 0
-        self._open(name, mode="w")
+        self._open(log or name, mode="w")
         path = self.log_path
         try:
             yield path if self._fd is not None else None
@@ -157,7 +162,7 @@ class Router:
             self._sync()
             self._stop_board()
             if self._notices > MAX_NOTICES:
-                self._print(f"  [yellow]! {self._stage}: {self._notices - MAX_NOTICES} more such lines in "
+                self._print(f"  [yellow]! {self._stage}: {self._notices - MAX_NOTICES} more such errors in "
                             f"{_escape(_shown(path))}[/]")
             self._stage = "run"
             self._open("run", mode="a")
@@ -285,12 +290,16 @@ class Router:
                 from ray._private.worker import filter_autoscaler_events
 
                 lines = list(filter_autoscaler_events(lines))
+            run: list[str] = []  # library lines in a row: one `_library` call (a traceback, one notice)
             for line in lines:
                 event = parse(line)
                 if event is None:
-                    self._library([prefix + line])
-                else:
-                    self.event(event)
+                    run.append(prefix + line)
+                    continue
+                self._library(run)
+                run = []
+                self.event(event)
+            self._library(run)
         except Exception as exc:  # noqa: BLE001 - a broken line must not stop Ray's log thread
             self._safely(self._library, [f"(pipeline could not route a log batch: {exc!r})"])
 
@@ -365,8 +374,8 @@ class Router:
     # ---- output
 
     def _library(self, lines: list[str]) -> None:
-        """Library lines: to the log (with `verbose` to the console as well); one that matters also
-        reaches the console as a notice naming the log."""
+        """Library lines: to the log (with `verbose` to the console as well); a run of them holding one that matters
+        reaches the console as one notice naming the log (a traceback is one, though vLLM logs each line as ERROR)."""
         if not lines:
             return
         text = "\n".join(lines) + "\n"
@@ -377,13 +386,14 @@ class Router:
                 return
             if not NOTICE.search(text):
                 return
-            for line in lines:
-                if NOTICE.search(line):
-                    self._notices += 1
-                    if self._notices <= MAX_NOTICES:
-                        shown = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
-                        self._print(f"  [yellow]! {self._stage}: {_escape(shown[:200])}[/] "
-                                    f"(see {_escape(_shown(self.log_path))})")
+            matters = [line for line in lines if NOTICE.search(line) and not TEARDOWN.search(line)]
+            if not matters:
+                return
+            self._notices += 1
+            if self._notices <= MAX_NOTICES:
+                shown = re.sub(r"\x1b\[[0-9;]*m", "", matters[0]).strip()
+                self._print(f"  [yellow]! {self._stage}: {_escape(shown[:200])}[/] "
+                            f"(see {_escape(_shown(self.log_path))})")
 
     def event(self, event: dict) -> None:
         """Show one of our events (a line, or progress). Never raises: a malformed event (from any
@@ -443,15 +453,15 @@ def _repr(event: Any) -> str:
 
 
 def install(router: Router | None) -> None:
-    """Make `router` this process's (the command line does, for `run`), and the receiver of its
-    `pipeline.events`; None removes it."""
+    """Make `router` this process's (the command line does, for `run` and the routed commands), and the
+    receiver of its `pipeline.events`; None removes it."""
     global _router
     _router = router
     events.set_sink(router.event if router is not None else None)
 
 
 def current() -> Router | None:
-    """The router of this process, if `python -m pipeline run` installed one."""
+    """The router of this process, if the command line (`run`, a routed command) installed one."""
     return _router
 
 
@@ -467,12 +477,21 @@ def run_logs(run_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stage_log(name: str) -> Iterator[Path | None]:
+def stage_log(name: str, log: str | None = None) -> Iterator[Path | None]:
     """`Router.stage` when a router is capturing; otherwise nothing (a library caller keeps its own streams)."""
     if _router is None or not _router._capturing:
         yield None
         return
-    with _router.stage(name) as path:
+    with _router.stage(name, log) as path:
+        yield path
+
+
+@contextlib.contextmanager
+def command_log(run_dir: Path, name: str, log: str | None = None) -> Iterator[Path | None]:
+    """A routed command's library output (Ray, vLLM, Serve, MLflow) to `<run_dir>/logs/<log or name>.log`, as a
+    stage's: our lines stay on the console, a failure's names the log. Yields its path (None without a router).
+    Entered once the command's arguments are checked, so that a refused command writes nothing."""
+    with run_logs(run_dir), stage_log(name, log) as path:
         yield path
 
 

@@ -65,7 +65,9 @@ class CommandSpec:
     module: str
     help: str
     config: str = "required"  # the CONFIG argument: "required", "optional" (serve) or "none" (compare)
-    routed: bool = False  # library output goes to log files through pipeline.console's router (as in `run`)
+    # Library output goes to a log file through pipeline.console's router, as in `run`: the command's `main`
+    # enters `console.command_log` once its arguments are checked; `--verbose` shows it live too.
+    routed: bool = False
 
 
 # A training stage's fixed cost: stage start -> its first optimizer step (ppo: its first iteration), held-out
@@ -150,9 +152,10 @@ SECTIONS: tuple[SectionSpec, ...] = (
 # The CLI's commands that stages provide, after the framework's own (validate, plan, run, submit, ...).
 COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec("serve", "stages.serve.command", "serve a registered model behind the OpenAI-compatible API until "
-                "Ctrl-C (engine and endpoint from stages.serve)", config="optional"),
+                "Ctrl-C (engine and endpoint from stages.serve)", config="optional", routed=True),
     CommandSpec("batch-infer", "stages.batch_infer", "generate completions for a prompts file with a "
-                "registered model (settings from stages.batch_infer); Parquet results and a summary, tracked in MLflow"),
+                "registered model (settings from stages.batch_infer); Parquet results and a summary, tracked in MLflow",
+                routed=True),
     CommandSpec("compare", "stages.compare", "two trained policies on the same held-out prompts: per metric the "
                 "difference, prompts won and lost, and a paired sign test; logged to MLflow", config="none",
                 routed=True),

@@ -19,6 +19,7 @@ Two ways to run it:
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -132,15 +133,28 @@ def _plain(v: Any) -> Any:
 
 
 def result(row: dict) -> dict:
-    """A processor output row (success or error) -> the input row + completion, token counts and error."""
+    """A processor output row (success or error) -> the input row + completion, token counts, error, and
+    the engine's timing of the row (`latency_s`, `answered_at`; empty for a row the engine did not answer)."""
     source = json.loads(row[SOURCE_COLUMN])
     problem = source.pop("__problem__", "")
     error = problem or str(row.get("__inference_error__") or "")
     if error == "nan":  # a success row in a block that also holds an error row
         error = ""
+    latency, answered = _number(row.get("latency_s")), _number(row.get("answered_at"))
+    timed = latency is not None and latency >= 0 and answered is not None
     return {**source, "completion": "" if error else str(row.get("generated_text") or ""),
             "num_input_tokens": 0 if error else int(row.get("num_input_tokens") or 0),
-            "num_generated_tokens": 0 if error else int(row.get("num_generated_tokens") or 0), "error": error}
+            "num_generated_tokens": 0 if error else int(row.get("num_generated_tokens") or 0), "error": error,
+            "latency_s": latency if timed else None, "answered_at": answered if timed else None}
+
+
+def _number(v: Any) -> float | None:
+    """A finite float, or None (absent, or NaN where a block mixes rows with and without the column)."""
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
 
 
 def verified(batch, answer_field: str, verifier: str = "number"):
@@ -159,12 +173,32 @@ def verified(batch, answer_field: str, verifier: str = "number"):
     return batch
 
 
-def summarize(rows: list[dict], wall_s: float) -> dict[str, float]:
-    """The run's figures: rows, failures, tokens/s, accuracy and mean reward over the rows that have them."""
+def generation_span(rows: list[dict]) -> tuple[float, float] | None:
+    """(first request's start, last answer's end) as Unix times, over the rows the engine answered: the
+    generation alone. Ray's start, reading the prompts and the engine's build all come before the first
+    request, so a throughput over this span is the engine's, whatever the start-up cost. A row's request
+    started when its answer left the engine (`answered_at`) less the engine's time for it (`latency_s`,
+    Ray Data LLM's `time_taken_llm`); None when no row was answered."""
+    timed = [(r["answered_at"] - r["latency_s"], r["answered_at"]) for r in rows
+             if r.get("answered_at") is not None and r.get("latency_s") is not None]
+    if not timed:
+        return None
+    return min(start for start, _ in timed), max(end for _, end in timed)
+
+
+def summarize(rows: list[dict], started: float, finished: float) -> dict[str, float]:
+    """The run's figures: rows, failures, generated tokens; its time (`wall_s`, from `started`, before Ray
+    and the engine started, to `finished`) split into `startup_s` (to the first request) and `generation_s`
+    (`generation_span`), and the throughput of the generation alone, `generation_tokens_per_s`; accuracy
+    and mean reward over the rows that have them."""
     ok = [r for r in rows if not r["error"]]
     tokens = sum(int(r["num_generated_tokens"]) for r in ok)
-    out = {"rows": len(rows), "rows_failed": len(rows) - len(ok), "generated_tokens": tokens, "wall_s": wall_s,
-           "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0}
+    wall = finished - started
+    span = generation_span(rows)
+    generation = span[1] - span[0] if span else 0.0
+    out = {"rows": len(rows), "rows_failed": len(rows) - len(ok), "generated_tokens": tokens, "wall_s": wall,
+           "startup_s": max(span[0] - started, 0.0) if span else wall, "generation_s": generation,
+           "generation_tokens_per_s": tokens / generation if generation > 0 else 0.0}
     scored = [r["correct"] for r in ok if r.get("correct") is not None]
     if scored:
         out.update(accuracy=sum(scored) / len(scored), accuracy_rows=len(scored))
@@ -268,24 +302,28 @@ def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
 
 
 def _outputs(row: dict) -> dict:
-    return {k: row.get(k) for k in (SOURCE_COLUMN, "generated_text", "num_input_tokens", "num_generated_tokens")}
+    """The columns `result` reads, and when this answer left the engine with the engine's time for it
+    (`generation_span`: the generation measured apart from the start-up)."""
+    out = {k: row.get(k) for k in (SOURCE_COLUMN, "generated_text", "num_input_tokens", "num_generated_tokens")}
+    return {**out, "latency_s": row.get("time_taken_llm"), "answered_at": time.time()}
 
 
 # --------------------------------------------------------------------------- driver
 
 
 def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, log, reward_dir: Path | None = None,
-          seed: int = 0, run_storage=None, verifier: str = "number") -> dict[str, Any]:
+          seed: int = 0, run_storage=None, verifier: str = "number", started: float | None = None) -> dict[str, Any]:
     """Generate, score and write `out_dir/predictions` + `out_dir/summary.json`; returns the summary.
 
     `log(message)` reports progress. Ray must be running. With the run's `RunStorage`, prompts that
-    are a run artifact are read from its bucket (read tasks may run on any node)."""
+    are a run artifact are read from its bucket (read tasks may run on any node). `started`: when the
+    caller began (before it started Ray), the start of `wall_s` and `startup_s` (default: now)."""
     import pyarrow.parquet as pq
 
+    started = time.time() if started is None else started
     ds = read_prompts(prompts, cfg.prompt_field, run_storage)
     log(f"generating for {prompts} with {model_dir} ({cfg.concurrency} engine(s), "
         f"max {cfg.sampling.max_tokens} tokens, temperature {cfg.sampling.temperature})")
-    t0 = time.time()
     ds = processor(cfg, model_dir, seed)(ds).map(result)
     if cfg.score.verifier:
         ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field, "verifier": verifier}, batch_format="pandas",
@@ -295,16 +333,27 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
                             concurrency=1, num_cpus=1, batch_size=cfg.batch_size, batch_format="pandas")
     predictions = out_dir / "predictions"
     ds.write_parquet(str(predictions))
-    wall = time.time() - t0
+    finished = time.time()
     rows = pq.read_table(predictions).to_pylist()
-    summary = summarize(rows, wall)
+    summary = summarize(rows, started, finished)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     failed = [r for r in rows if r["error"]]
     for r in failed[:5]:
         log(f"row failed: {str(r.get(cfg.prompt_field))[:60]!r}: {r['error'][:200]}")
-    shown = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
-    log(shown)
+    log(summary_line(summary))
     return summary
+
+
+def summary_line(s: dict) -> str:
+    """The summary as one console line: the generation's throughput apart from the start-up before it."""
+    line = (f"{s['rows']} rows ({s['rows_failed']} failed): {s['generated_tokens']} tokens generated in "
+            f"{s['generation_s']:.1f}s, {s['generation_tokens_per_s']:.1f} tokens/s; start-up {s['startup_s']:.1f}s "
+            f"before the first request (Ray, the engine); {s['wall_s']:.0f}s in all")
+    if "accuracy" in s:
+        line += f"; accuracy {s['accuracy']:.3f} on {s['accuracy_rows']} rows"
+    if "mean_reward" in s:
+        line += f"; mean reward {s['mean_reward']:.3f}"
+    return line
 
 
 def check_not_all_failed(summary: dict, prompts) -> None:
@@ -316,11 +365,12 @@ def check_not_all_failed(summary: dict, prompts) -> None:
 
 def run(cfg: BatchInferConfig, ctx: StageContext) -> dict[str, Path]:
     """As a pipeline stage: the configured source model over the prompts; the summary goes to MLflow."""
+    started = time.time()  # the stage's start-up: Ray's start (if no stage before started it), the engine's build
     prompts = cfg.prompts or ctx.inputs["prompt_data"] / "eval"
     ctx.ray()
     reward_dir = ctx.inputs.get("reward_model") if cfg.score.reward_model else None
     summary = infer(cfg, ctx.inputs[cfg.source], prompts, ctx.out_dir, ctx.progress, reward_dir, ctx.pipeline.seed,
-                    ctx.storage, ctx.pipeline.task.verifier)
+                    ctx.storage, ctx.pipeline.task.verifier, started)
     check_not_all_failed(summary, prompts)
     ctx.progress(f"results in {ctx.out_dir / 'predictions'}")
     ctx.log_metrics(summary)
@@ -339,12 +389,10 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
     `cfg` is the pipeline config: `stages.batch_infer` gives the settings (defaults without it),
     `prompts` and `output` override them. Results are written into a hidden sibling and renamed
     into place on success, so a failed run never leaves a half-written `output`; an existing,
-    non-empty `output` is refused (nothing is overwritten)."""
-    import shutil
-
-    from pipeline.cluster import ensure_ray, shutdown_ray
-    from pipeline.schema import flatten
-    from pipeline.tracking import Tracker, log_params
+    non-empty `output` is refused (nothing is overwritten). The arguments are checked and the model
+    fetched before anything else is written; Ray's, vLLM's and MLflow's output then goes to
+    `<run_dir>/logs/batch-infer.log` when the command line routes it (`pipeline.console.command_log`)."""
+    from pipeline import console
     from stages.common.model_registry import fetch
 
     section = cfg.stages.batch_infer or BatchInferConfig()
@@ -365,15 +413,35 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
     reward_dir = fetch(reward_model, cfg.tracking_uri, cache) if reward_model else None
     if section.score.reward_model and reward_dir is None:
         raise UserError("stages.batch_infer.score.reward_model is on: pass --reward-model URI|DIR, or turn it off")
+    # From here on Ray's, Ray Data's, vLLM's and MLflow's output goes to <run_dir>/logs/batch-infer.log (the
+    # refusals above write nothing)
+    with console.command_log(cfg.run_dir, "batch-infer") as log_path:
+        if log_path:
+            log(f"library output in {log_path}")
+        return _tracked(cfg, section, model, model_dir, reward_dir, output, log)
+
+
+def _tracked(cfg, section: BatchInferConfig, model: str, model_dir: Path, reward_dir: Path | None, output: Path,
+             log) -> tuple[dict[str, Any], Path]:
+    """`infer_registered`'s work, as its own MLflow run: Ray started (unless running), `infer` into a hidden
+    sibling of `output`, renamed into place on success."""
+    import shutil
+
+    from pipeline.cluster import ensure_ray, shutdown_ray
+    from pipeline.schema import flatten
+    from pipeline.tracking import Tracker, log_params
+
+    t0 = time.time()  # the command's start-up counts from here: Ray's start, the engine's build
     tracker = Tracker(cfg.tracking_uri, cfg.mlflow.experiment, cfg.run_dir, run_name="batch-infer",
                       tags={"model_uri": model, "prompts": str(section.prompts), "output": str(output)})
     log_params(tracker.client, tracker.parent_id, flatten(section.model_dump(mode="json")))
-    started, status = ensure_ray(cfg.ray), "FAILED"
+    started, status = ensure_ray(cfg.ray, log=log), "FAILED"
     tmp = output.with_name(f".{output.name}.partial")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed, verifier=cfg.task.verifier)
+        summary = infer(section, model_dir, section.prompts, tmp, log, reward_dir, cfg.seed, verifier=cfg.task.verifier,
+                        started=t0)
         if output.exists():  # an empty directory the user made for it
             output.rmdir()
         tmp.rename(output)
@@ -402,11 +470,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output", type=Path, help="a new directory for the results (default: "
                         "<run_dir>/batch_infer/<time>)")
     parser.add_argument("--reward-model", help="a reward model (registry URI or directory) to score completions with")
+    parser.add_argument("--verbose", action="store_true", help="also show library output (Ray, Ray Data, vLLM, "
+                        "MLflow) live; it always goes to <run_dir>/logs/batch-infer.log")
 
 
 def main(args, cfg, console) -> int:
-    from stages.serve.command import default_model, logger
+    from stages.serve.command import default_model, logger, quiet_downloads
 
+    quiet_downloads()
     summary, output = infer_registered(cfg, args.model or default_model(cfg), args.prompts, args.output,
                                        args.reward_model, logger("batch-infer", console))
     console.print(f"[bold green]done[/]: {summary['rows']} rows ({summary['rows_failed']} failed) in {output}")

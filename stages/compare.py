@@ -241,6 +241,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tracking-uri", help="the MLflow store of run ids and of the comparison's run")
     parser.add_argument("--json", dest="json_out", action="store_true",
                         help="print the result as JSON on stdout (progress on stderr)")
+    parser.add_argument("--verbose", action="store_true", help="also show library output (Ray, vLLM, MLflow) live; "
+                        "it always goes to A's <run_dir>/logs/compare.log")
 
 
 def main(args, cfg, console) -> int:
@@ -266,7 +268,7 @@ def main(args, cfg, console) -> int:
         console = Console(file=router.err if router else sys.stderr, highlight=False, soft_wrap=True)
     # Ray's and vLLM's output goes to A's run directory's logs/compare.log, as a run's stages' does
     a = find_policy(args.a, uri)
-    with console_mod.run_logs(a.run_dir), console_mod.stage_log("compare") as log_path:
+    with console_mod.command_log(a.run_dir, "compare") as log_path:
         if log_path:
             console.print(f"compare: library output in {log_path}")
         result = compare_runs(a, args.b, samples=args.samples, prompts=args.prompts, max_tokens=args.max_tokens,

@@ -324,6 +324,41 @@ def test_a_child_that_crashes_leaves_its_output_in_the_log_and_the_console_names
     assert len(failed) == 1 and "its log: " in failed[0] and "logs/sft.log" in failed[0], result.stdout
 
 
+def test_a_command_log_keeps_the_console_to_our_lines_one_notice_per_traceback_and_names_the_log(tmp_path):
+    """A routed command (`serve`, `batch-infer`, `compare`) as `run` is: library output in its own log
+    (`serve` in serve-command.log, the serve stage's serve.log untouched), a traceback logged by vLLM a
+    line at a time one notice, the engine's teardown traceback none, and the failure's line naming the log."""
+    result = _script(tmp_path, r'''
+        from pipeline import console
+
+        vllm = "(MainProcess pid=7) ERROR 12-01 19:11:55 "
+        dead = [vllm + "[core.py:12] EngineCore failed.", vllm + "[core.py:12] Traceback (most recent call last):",
+                vllm + '[core.py:12]   File "core.py", line 1', vllm + "[core.py:12] RuntimeError: boom"]
+        teardown = [vllm + "[async_llm.py:906] AsyncLLM output_handler failed.",
+                    vllm + "[async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered"]
+        try:
+            with console.command_log(run_dir, "serve", "serve-command") as log:
+                say(f"serve: library output in {log}")
+                print("INFO a library line")
+                for lines in (dead, teardown):
+                    router._ray_batch({"pid": 7, "actor_name": "MapWorker", "ip": "a", "localhost": "a", "lines": lines})
+                raise RuntimeError("the command failed")
+        except RuntimeError:
+            router.console.print("command-failed")
+    ''')
+    assert result.returncode == 0, result.stderr[-3000:]
+    console, log = (result.stdout + result.stderr).splitlines(), _log(tmp_path, "serve-command")
+    path = tmp_path / "run" / "logs" / "serve-command.log"
+    assert console[0].endswith(f"serve: library output in {path}"), console
+    assert console[1] == f"  ! serve: (MapWorker pid=7) (MainProcess pid=7) ERROR 12-01 19:11:55 [core.py:12] EngineCore " \
+                         f"failed. (see {path})", console
+    assert console[2:] == [f"  serve failed; its log: {path}", "command-failed"], console  # nothing else
+    for line in ("INFO a library line", "RuntimeError: boom", "AsyncLLM output_handler failed",
+                 "RuntimeError: the command failed"):
+        assert line in log, line
+    assert not (tmp_path / "run" / "logs" / "serve.log").exists()
+
+
 def test_a_fatal_signal_in_the_driver_dumps_its_stacks_into_the_stage_log(tmp_path):
     # The pump thread dies with the process, so the dump cannot go through the pipe.
     result = _script(tmp_path, r'''

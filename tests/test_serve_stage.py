@@ -5,6 +5,7 @@ malformed requests; and `python -m pipeline batch-infer` on the registered model
 from __future__ import annotations
 
 import json
+import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,8 @@ STARTS = {"pipelines": 3, "ray": 2, "vllm_engines": 1, "serve_deployments": 2}
 
 pytestmark = pytest.mark.slow
 
+# Library output (Ray's, Ray Data's, Serve's, vLLM's, MLflow's), which belongs in the command's log, not on its console
+LIBRARY = re.compile(r"\bINFO\b|\bWARNING\b|pid=\d+|Triton|Running Dataset|\d+%\|")
 KEY = "test-key-123"
 PORT = 18437
 REGISTER = ["stages.serve.source=base_model", "stages.serve.deploy=false"]
@@ -346,10 +349,23 @@ def test_batch_infer_writes_one_row_per_prompt(registered, tracking_uri, tmp_pat
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["rows"], summary["rows_failed"], summary["accuracy_rows"]) == (7, 2, 5)
     assert "2 failed" in result.stdout
+    # The generation's throughput apart from the start-up (Ray's start, the engine's build): higher than the
+    # whole run's tokens over its wall time, which the summary used to report as tokens_per_s
+    assert summary["generation_tokens_per_s"] > summary["generated_tokens"] / summary["wall_s"] > 0
+    assert 0 < summary["startup_s"] < summary["wall_s"] and 0 < summary["generation_s"] < summary["wall_s"]
+    assert "tokens_per_s" not in summary
+    assert f"{summary['generation_tokens_per_s']:.1f} tokens/s; start-up {summary['startup_s']:.1f}s" in result.stdout
+    # The console is run's: our lines, one per event; the libraries' output is in the command's log
+    console = (result.stdout + result.stderr).splitlines()
+    assert len(console) <= 12 and not [line for line in console if LIBRARY.search(line)], "\n".join(console)
+    log = (run_dir / "logs" / "batch-infer.log").read_text()
+    assert "INFO" in log and "(MapWorker(MapBatches(vLLMEngineStageUDF)) pid=" in log
     client = MlflowClient(tracking_uri)
     run = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
                              filter_string="attributes.run_name = 'batch-infer'")[0]
     assert run.data.metrics["rows"] == 7 and run.data.metrics["rows_failed"] == 2
+    for name in ("generation_tokens_per_s", "startup_s", "generation_s"):
+        assert run.data.metrics[name] == pytest.approx(summary[name]), name
     # A second call never overwrites the results.
     again = run_cli("batch-infer", str(SMOKE), f"run_dir={run_dir}", f"mlflow.tracking_uri={tracking_uri}",
                     "--prompts", str(prompts), "--output", str(out))
@@ -360,7 +376,8 @@ def test_batch_infer_writes_one_row_per_prompt(registered, tracking_uri, tmp_pat
 def test_sigterm_ends_pipeline_serve_cleanly_with_exit_130(registered, tracking_uri, tmp_path):
     """`kill PID` on `pipeline serve`: the app is deleted, Ray (which it started) shut down with all its
     processes, exit 130. (Ray's own SIGTERM handler aborted the process, leaving its dashboard and
-    agents running.)"""
+    agents running.) Its console is run's: our lines, one per event; Ray's, Serve's and vLLM's output
+    is in its log, which the last line names."""
     import os
     import signal
     import subprocess
@@ -388,6 +405,10 @@ def test_sigterm_ends_pipeline_serve_cleanly_with_exit_130(registered, tracking_
         end_tree(proc.pid)
     assert proc.returncode == 130, (seen + rest)[-3000:]
     assert "shutting the API down" in rest
+    console, log = (seen + rest).splitlines(), run_dir / "logs" / "serve-command.log"
+    assert len(console) <= 15 and not [line for line in console if LIBRARY.search(line)], seen + rest
+    assert f"serve was interrupted; its log: {log}" in rest
+    assert "(ServeController pid=" in log.read_text() and "INFO" in log.read_text()
     time.sleep(2)
 
     def running(pid):  # exists and is not a zombie awaiting its parent

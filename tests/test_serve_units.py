@@ -395,15 +395,53 @@ def test_batch_rows_keep_every_input_and_report_failures():
     row_bad = result({**bad, "generated_text": "x", "num_generated_tokens": 1})
     row_long = result({**ok, "__inference_error__": "VLLMValidationError: too long"})
     assert row_ok == {"prompt": "What is 1 + 2?", "answer": "3", "id": 7, "completion": "1 + 2 = 3",
-                      "num_input_tokens": 9, "num_generated_tokens": 5, "error": ""}
+                      "num_input_tokens": 9, "num_generated_tokens": 5, "error": "", "latency_s": None,
+                      "answered_at": None}
     assert row_bad["error"] == "'prompt' is empty or not text" and row_bad["completion"] == "" and row_bad["id"] == 8
     assert row_long["error"].startswith("VLLMValidationError") and row_long["num_generated_tokens"] == 0
-    rows = [{**row_ok, "correct": 1.0, "reward": 0.5}, {**row_bad, "correct": None, "reward": None}, row_long]
-    assert summarize(rows, 2.0) == {"rows": 3, "rows_failed": 2, "generated_tokens": 5, "wall_s": 2.0,
-                                    "tokens_per_s": 2.5, "accuracy": 1.0, "accuracy_rows": 1, "mean_reward": 0.5}
-    check_not_all_failed(summarize(rows, 2.0), "p.jsonl")  # some rows answered: a result
+    rows = [{**row_ok, "correct": 1.0, "reward": 0.5, "latency_s": 1.0, "answered_at": 101.5},
+            {**row_bad, "correct": None, "reward": None}, row_long]
+    assert summarize(rows, 100.0, 102.0) == {
+        "rows": 3, "rows_failed": 2, "generated_tokens": 5, "wall_s": 2.0, "startup_s": 0.5, "generation_s": 1.0,
+        "generation_tokens_per_s": 5.0, "accuracy": 1.0, "accuracy_rows": 1, "mean_reward": 0.5}
+    check_not_all_failed(summarize(rows, 100.0, 102.0), "p.jsonl")  # some rows answered: a result
     with pytest.raises(RuntimeError, match="all 2 rows of p.jsonl failed"):  # none did: a failed stage, not cached
-        check_not_all_failed(summarize([{**row_bad, "correct": None}, row_long], 2.0), "p.jsonl")
+        check_not_all_failed(summarize([{**row_bad, "correct": None}, row_long], 100.0, 102.0), "p.jsonl")
+
+
+def test_batch_throughput_is_the_generations_alone_and_start_up_is_reported_apart():
+    """Tokens over [the first request's start, the last answer's end]: Ray's start and the engine's build,
+    before the first request, are start-up. Each answered row carries, from the processor, the engine's
+    time for it and when its answer left the engine; a row the engine did not answer carries neither."""
+    import time
+
+    from stages.batch_infer import _outputs, generation_span, summary_line
+
+    ok = request({"prompt": "What is 1 + 2?", "answer": "3"}, BatchInferConfig())
+    before = time.time()
+    answered = result(_outputs({**ok, "generated_text": "3", "num_input_tokens": 9, "num_generated_tokens": 1,
+                                "time_taken_llm": 2.5}))
+    assert answered["latency_s"] == 2.5 and before <= answered["answered_at"] <= time.time()
+    assert [result({**ok, "__inference_error__": "x", "time_taken_llm": -1})[k] for k in ("latency_s", "answered_at")] \
+        == [None, None]  # an error row skips the postprocess
+    assert result({**ok, "latency_s": float("nan"), "answered_at": float("nan")})["latency_s"] is None  # a mixed block
+
+    def row(tokens, answered_at, latency):
+        return {"error": "", "num_generated_tokens": tokens, "answered_at": answered_at, "latency_s": latency}
+
+    # Started at 100; the engine took its first request at 130 (the first batch's slowest row: 10 s, answered
+    # at 140) and answered the last at 150; the results were written at 155.
+    rows = [row(6, 140.0, 10.0), row(4, 140.0, 4.0), row(10, 150.0, 10.0),
+            {"error": "context length", "num_generated_tokens": 0, "answered_at": None, "latency_s": None}]
+    assert generation_span(rows) == (130.0, 150.0)
+    summary = summarize(rows, 100.0, 155.0)
+    assert (summary["startup_s"], summary["generation_s"], summary["wall_s"]) == (30.0, 20.0, 55.0)
+    assert summary["generation_tokens_per_s"] == 1.0  # 20 tokens in 20 s; over the whole 55 s it would be 0.36
+    assert "tokens_per_s" not in summary
+    line = summary_line(summary)
+    assert "20 tokens generated in 20.0s, 1.0 tokens/s; start-up 30.0s before the first request" in line
+    nothing = summarize(rows[3:], 100.0, 155.0)  # no row answered: all of it was start-up
+    assert generation_span(rows[3:]) is None and (nothing["startup_s"], nothing["generation_tokens_per_s"]) == (55.0, 0.0)
 
 
 def test_serve_config_errors_name_the_key(tmp_path):

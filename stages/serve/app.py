@@ -403,24 +403,29 @@ def wait_for_interrupt(log, url: str) -> None:
         raise
 
 
-def serve_model(cfg: ServeConfig, model: str, tracking_uri: str, cache_dir: Path, ray_cfg, log,
-                adapters: list[str] = ()) -> None:
-    """`python -m pipeline serve --model URI [--adapter NAME=DIR ...]`: serve a registered (or local)
-    model, and LoRA adapters on it, until Ctrl-C."""
-    from pipeline.cluster import ensure_ray, shutdown_ray
-    from stages.common.model_registry import fetch
-
+def named_adapters(specs: list[str]) -> dict[str, Path]:
+    """`--adapter` values as {name: directory}, each refused here (before Ray or an engine starts) if vLLM
+    could not serve it, or if two share a name."""
     named: dict[str, Path] = {}
-    for spec in adapters:
+    for spec in specs:
         name, directory = parse_adapter(spec)
         if name in named:
             raise UserError(f"--adapter: two adapters are named {name!r}; name them apart with NAME=DIR")
-        adapter_rank(directory)  # refused here, before Ray or an engine starts
+        adapter_rank(directory)
         named[name] = directory
-    model_dir = fetch(model, tracking_uri, cache_dir)
-    started = ensure_ray(ray_cfg)
+    return named
+
+
+def serve_model(cfg: ServeConfig, model_dir: Path, ray_cfg, log, adapters: dict[str, Path] | None = None,
+                advance=None) -> None:
+    """`python -m pipeline serve --model URI [--adapter NAME=DIR ...]`: serve a model directory (fetched
+    from the registry by the command), and LoRA adapters on it (`named_adapters`), until Ctrl-C.
+    `advance(done, total, unit, note)` receives the replicas running while it deploys."""
+    from pipeline.cluster import ensure_ray, shutdown_ray
+
+    started = ensure_ray(ray_cfg, log=log)
     try:
-        with Server(cfg, model_dir, log, adapters=named) as url:
+        with Server(cfg, model_dir, log, adapters=adapters, advance=advance) as url:
             wait_for_interrupt(log, url)
     finally:
         if started:
