@@ -45,13 +45,14 @@ def ui_url(cfg, port: int) -> str:
         return url
 
 
-def _run_server(cmd: list[str], env: dict[str, str] | None = None) -> int | None:
+def _run_server(cmd: list[str], env: dict[str, str] | None = None, log=None) -> int | None:
     """Run a server command until Ctrl-C / SIGTERM stops it and every process it started (its own process
     group: `mlflow ui` runs its web server and workers as children, which outlived a SIGINT sent to this
-    process alone): None; or until it ends by itself: its exit code."""
+    process alone): None; or until it ends by itself: its exit code. Its output goes to `log` (an open
+    file) if given: a line per request is the server's business, not the console's."""
     import signal
 
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
 
     def stop(*_):
         raise KeyboardInterrupt
@@ -83,13 +84,25 @@ def run_ui(cfg, port: int, workers: int, console) -> int:
     # The store goes in the environment (MLflow's CLI reads MLFLOW_BACKEND_STORE_URI), not on the command
     # line, where `ps` would show a database store's password to every user of the machine.
     cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
-    console.print(f"MLflow UI for {redact(cfg.tracking_uri)} at {ui_url(cfg, port)} (Ctrl-C stops it)")
+    # The server's own output (a line per request) goes to the run's logs, as a run's library output does.
+    log_path = cfg.run_dir / "logs" / "ui.log" if cfg.run_dir.is_dir() else None
+    console.print(f"MLflow UI for {redact(cfg.tracking_uri)} at {ui_url(cfg, port)} (Ctrl-C stops it)"
+                  + (f"; its log: {log_path}" if log_path else ""), soft_wrap=True)
     # MLflow's job runner (10 task-queue processes, for GenAI scorers) has nothing to do here.
-    code = _run_server(cmd, {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ,
-                             "MLFLOW_BACKEND_STORE_URI": cfg.tracking_uri})
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ, "MLFLOW_BACKEND_STORE_URI": cfg.tracking_uri}
+    if log_path is None:
+        code = _run_server(cmd, env)
+    else:
+        log_path.parent.mkdir(exist_ok=True)
+        with open(log_path, "a") as log:
+            code = _run_server(cmd, env, log)
     if code is None:  # Ctrl-C: the way a server run until Ctrl-C ends
         return 0
     # It stopped by itself (MLflow 3 exits 0 when uvicorn cannot bind): never a success.
-    console.print(f"[bold red]failed:[/] the MLflow UI server stopped by itself (exit {code}); its output is above")
+    tail = log_path.read_text(errors="replace").splitlines()[-5:] if log_path else []
+    console.print(f"[bold red]failed:[/] the MLflow UI server stopped by itself (exit {code}); "
+                  + (f"the end of its log ({log_path}):" if log_path else "its output is above"), soft_wrap=True)
+    for line in tail:
+        console.print(f"  {line}", markup=False, soft_wrap=True)
     return EXIT_FAILED
 

@@ -57,4 +57,6 @@ def test_ui_command_serves_the_run_store_and_stops_everything_it_started(tmp_pat
         assert proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(started, timeout=30)
         assert not alive, [p.cmdline() for p in alive]
+    # The server's own lines went to the run's logs, not the console (issue 59, item 6)
+    assert f"127.0.0.1:{port}" in (run_dir / "logs" / "ui.log").read_text()
 
