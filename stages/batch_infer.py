@@ -347,7 +347,7 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
 def summary_line(s: dict) -> str:
     """The summary as one console line: the generation's throughput apart from the start-up before it."""
     line = (f"{s['rows']} rows ({s['rows_failed']} failed): {s['generated_tokens']} tokens generated in "
-            f"{s['generation_s']:.1f}s, {s['generation_tokens_per_s']:.1f} tokens/s; start-up {s['startup_s']:.1f}s "
+            f"{s['generation_s']:.2f}s, {s['generation_tokens_per_s']:.1f} tokens/s; start-up {s['startup_s']:.1f}s "
             f"before the first request (Ray, the engine); {s['wall_s']:.0f}s in all")
     if "accuracy" in s:
         line += f"; accuracy {s['accuracy']:.3f} on {s['accuracy_rows']} rows"

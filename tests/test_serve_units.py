@@ -439,7 +439,7 @@ def test_batch_throughput_is_the_generations_alone_and_start_up_is_reported_apar
     assert summary["generation_tokens_per_s"] == 1.0  # 20 tokens in 20 s; over the whole 55 s it would be 0.36
     assert "tokens_per_s" not in summary
     line = summary_line(summary)
-    assert "20 tokens generated in 20.0s, 1.0 tokens/s; start-up 30.0s before the first request" in line
+    assert "20 tokens generated in 20.00s, 1.0 tokens/s; start-up 30.0s before the first request" in line
     nothing = summarize(rows[3:], 100.0, 155.0)  # no row answered: all of it was start-up
     assert generation_span(rows[3:]) is None and (nothing["startup_s"], nothing["generation_tokens_per_s"]) == (55.0, 0.0)
 
