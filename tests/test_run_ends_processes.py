@@ -73,14 +73,17 @@ def test_ctrl_c_during_sft_exits_130_and_ends_every_process(smoke_upstream, tmp_
 
 
 @pytest.mark.tier("faults", covers=("pipeline/cluster.py", "pipeline/own_cluster.py", "stages/common/training.py"))
-def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(tmp_path):
+def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(smoke_upstream, tmp_path):
     """Issue 59, item 1: two runs at once on one machine (a cron job beside a manual run). Ray Train's
     PlacementGroupCleaner used to find both runs' Rays and print `Found multiple active Ray instances` as a
-    traceback on the console; each run now addresses its own cluster, and ends only its own processes."""
+    traceback on the console; each run now addresses its own cluster, and ends only its own processes. Both
+    train sft at the same time (model and data are cache hits): the cleaner asks every second."""
     from concurrent.futures import ThreadPoolExecutor
 
+    dirs = {name: smoke_upstream(tmp_path / name) for name in ("a", "b")}
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda name: _run(f"run_dir={tmp_path / name}", "--to", "sft"), ("a", "b")))
+        runs = list(pool.map(lambda name: _run(f"run_dir={dirs[name]}", "--to", "sft", "stages.sft.max_steps=6",
+                                               "stages.sft.accuracy_prompts=0"), ("a", "b")))
     try:
         addresses = []
         for run in runs:
@@ -90,7 +93,7 @@ def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(tmp_path)
             addresses.append(found.group(1))
         assert addresses[0] != addresses[1]
         for run, (name, other) in zip(runs, (("a", addresses[1]), ("b", addresses[0]))):
-            logs = "".join(p.read_text(errors="replace") for p in (tmp_path / name).rglob("*.log"))
+            logs = "".join(p.read_text(errors="replace") for p in (dirs[name] / "logs").rglob("*.log"))
             for text in (run.output, logs):
                 assert "Traceback" not in text and "multiple active Ray" not in text, text[-3000:]
                 assert other not in text

@@ -45,6 +45,8 @@ def stopping(case: str) -> list[str]:
 def tier(request, monkeypatch):
     monkeypatch.setenv(sandbox.ENV_VAR, request.param)
     monkeypatch.setenv(sandbox.ALLOW_ENV, "1")  # weak tiers too: each is tested on what it claims to stop
+    # ... whatever an earlier in-process ppo stage permitted this process (`tiers.permit`, which outranks the variable)
+    monkeypatch.setattr(sandbox.tiers, "_permitted", None)
     monkeypatch.setattr(harness, "LIMITS", LIMITS)
     yield request.param
     assert _marked() == [], "a hostile program's processes outlived its run"

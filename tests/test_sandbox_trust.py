@@ -42,6 +42,8 @@ CONTAINED = [t for t in WORKING if t != "rlimits" and t != "userns-net+rlimits"]
 def tier(request, monkeypatch):
     monkeypatch.setenv(sandbox.ENV_VAR, request.param)
     monkeypatch.setenv(sandbox.ALLOW_ENV, "1")  # a weak tier, forced on purpose
+    # ... whatever an earlier in-process ppo stage permitted this process (`tiers.permit`, which outranks the variable)
+    monkeypatch.setattr(sandbox.tiers, "_permitted", None)
     return request.param
 
 
