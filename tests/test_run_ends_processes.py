@@ -82,8 +82,9 @@ def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(smoke_ups
 
     dirs = {name: smoke_upstream(tmp_path / name) for name in ("a", "b")}
     with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda name: _run(f"run_dir={dirs[name]}", "--to", "sft", "stages.sft.max_steps=6",
-                                               "stages.sft.accuracy_prompts=0"), ("a", "b")))
+        runs = list(pool.map(lambda name: _run(f"run_dir={dirs[name]}", "--to", "sft", "stages.sft.max_steps=4",
+                                               "stages.sft.num_workers=1", "stages.sft.accuracy_prompts=0"),
+                             ("a", "b")))
     try:
         addresses = []
         for run in runs:
