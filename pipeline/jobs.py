@@ -165,13 +165,21 @@ def follow(address: str | None, job_id: str, out=None, poll_s: float = 2.0,
         time.sleep(poll_s)
 
 
+def job_command(verb: str, job_id: str, address: str | None) -> str:
+    """`python -m pipeline VERB JOB_ID [--address URL]`: a command printed about a job reaches the cluster the
+    person named, not the default one."""
+    import shlex
+
+    return shlex.join(["python", "-m", "pipeline", verb, job_id, *(["--address", address] if address else [])])
+
+
 def wait(address: str | None, job_id: str, console, deadline_s: float | None = None) -> int:
     """Follow the job to its end; its outcome as `run`'s exit code. Past `deadline_s` the job is
     stopped and the exit code is 1 (a scheduler's run that overran is a failure)."""
     try:
         status = follow(address, job_id, deadline_s=deadline_s)
     except KeyboardInterrupt:
-        console.print(f"stopped following; the job keeps running (`python -m pipeline stop {job_id}` ends it)")
+        console.print(f"stopped following; the job keeps running (`{job_command('stop', job_id, address)}` ends it)")
         return 130
     except DeadlinePassed:
         console.print(f"job {job_id}: still running after the {deadline_s:g}s deadline (--deadline); stopping it")
@@ -217,7 +225,7 @@ def stop(address: str | None, job_id: str, console, timeout_s: float = 60) -> in
     console.print(f"{job_id}: {final}")
     if final not in TERMINAL:
         console.print(f"{job_id} is still {final} {timeout_s:g}s after the stop request; check again with "
-                      f"`python -m pipeline status {job_id}` (or raise --timeout)")
+                      f"`{job_command('status', job_id, address)}` (or raise --timeout)")
         return 1
     return 0
 

@@ -196,6 +196,9 @@ def test_stop_fails_while_the_job_still_runs_and_wait_enforces_a_deadline(monkey
     monkeypatch.setattr(jobs, "client", lambda address: stubborn)
     assert jobs.stop(None, "j1", Console(), timeout_s=0.1) == 1  # still RUNNING after the timeout: not a success
     assert "still RUNNING 0.1s after the stop request" in capsys.readouterr().out
+    # the command it prints reaches the cluster it was given
+    assert jobs.stop("http://head:8265", "j1", Console(width=300), timeout_s=0.1) == 1
+    assert "`python -m pipeline status j1 --address http://head:8265`" in capsys.readouterr().out
 
     obedient = _FakeJobs(obeys=True)
     monkeypatch.setattr(jobs, "client", lambda address: obedient)
