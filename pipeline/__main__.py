@@ -124,6 +124,14 @@ def _closest_flag(parser: argparse.ArgumentParser, command: str, stray: list[str
 def parse_args(argv: list[str] | None = None):
     """The command line as `main` reads it; anything else exits 2 with argparse's message."""
     parser = _parser()
+    given = sys.argv[1:] if argv is None else argv
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if given and not given[0].startswith("-") and given[0] not in commands:  # argparse 3.11 suggests none
+        import difflib
+
+        close = difflib.get_close_matches(given[0], list(commands), n=1)
+        parser.error(f"unknown command {given[0]!r}; " + (f"did you mean {close[0]!r}? " if close else "")
+                     + f"commands are: {', '.join(commands)}")
     # Overrides may come after flags (`--only model key=value`); argparse leaves those unknown.
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

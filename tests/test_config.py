@@ -93,6 +93,11 @@ def test_cli_user_error_exits_2_without_traceback_and_writes_nothing(tmp_path, c
     assert not run_dir.exists()
 
 
+def test_a_mistyped_command_names_the_closest_one(capfd):
+    result = cli_in_process(capfd, "rnu", str(SMOKE))
+    assert result.returncode == 2 and "unknown command 'rnu'; did you mean 'run'?" in result.stderr
+
+
 def test_cli_unknown_stage_exits_2(tmp_path, capfd):
     result = cli_in_process(capfd, "plan", str(SMOKE), f"run_dir={tmp_path}", "--only", "sftt")
     assert result.returncode == 2

@@ -384,7 +384,7 @@ python -m pipeline not-a-command   # python code, not a shell command
     ("test_readme_is_the_entrance", "run configs/full.yaml --only sft", "run", []),
     ("test_no_such_thing", "run configs/full.yaml", "run", ["tests/test_docs.py::test_no_such_thing: no such test"]),
     ("test_readme_is_the_entrance", "run configs/full.yaml --froms sft", "run", ["unrecognized arguments: --froms"] * 2),
-    ("test_readme_is_the_entrance", "trian configs/full.yaml", "run", ["invalid choice: 'trian'"] * 2),
+    ("test_readme_is_the_entrance", "trian configs/full.yaml", "run", ["unknown command 'trian'"] * 2),
     ("test_readme_is_the_entrance", "run configs/full.yaml", "runn", ["no Makefile target runn"]),
 ])
 def test_the_checkers_find_missing_paths_and_bad_commands(tmp_path, test, command, target, found):
