@@ -108,11 +108,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser's commands, each with its own parser."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def _closest_flag(parser: argparse.ArgumentParser, command: str, stray: list[str]) -> str:
     """'; did you mean --from?' for a mistyped flag of `command` (argparse 3.11 suggests none)."""
     import difflib
 
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    sub = commands(parser)[command]
     flags = [f for f in sub._option_string_actions if f.startswith("--")]
     for word in stray:
         close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1) if word.startswith("-") else []
@@ -125,13 +130,13 @@ def parse_args(argv: list[str] | None = None):
     """The command line as `main` reads it; anything else exits 2 with argparse's message."""
     parser = _parser()
     given = sys.argv[1:] if argv is None else argv
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    if given and not given[0].startswith("-") and given[0] not in commands:  # argparse 3.11 suggests none
+    names = commands(parser)
+    if given and not given[0].startswith("-") and given[0] not in names:  # argparse 3.11 suggests none
         import difflib
 
-        close = difflib.get_close_matches(given[0], list(commands), n=1)
+        close = difflib.get_close_matches(given[0], list(names), n=1)
         parser.error(f"unknown command {given[0]!r}; " + (f"did you mean {close[0]!r}? " if close else "")
-                     + f"commands are: {', '.join(commands)}")
+                     + f"commands are: {', '.join(names)}")
     # Overrides may come after flags (`--only model key=value`); argparse leaves those unknown.
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e]

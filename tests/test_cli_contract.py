@@ -46,12 +46,9 @@ CASES = [
 
 
 def _commands() -> set[str]:
-    import argparse
+    from pipeline.__main__ import _parser, commands
 
-    from pipeline.__main__ import _parser
-
-    parser = _parser()
-    return set(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
+    return set(commands(_parser()))
 
 
 def test_every_command_has_its_failure_paths_here():
