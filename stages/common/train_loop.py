@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline import events
+from stages.common import in_process
 
 if TYPE_CHECKING:
     from pipeline.stage import StageContext
@@ -96,8 +97,10 @@ def train(objective: Objective, cfg, ctx: StageContext, init: Path, data: Path, 
     clock.mark("driver")
     tok = tokenizer_and_ray(init, ctx)
     clock.mark("ray")  # the tokenizer loaded meanwhile
-    clock.processes = cfg.num_workers + 1  # Ray Train's controller and its workers
-    ctx.progress(line("bf16" if bf16 else "fp32"))
+    # Ray Train's controller and its workers; none when one worker trains in this process (in_process.py)
+    local = in_process.wanted(cfg.num_workers, ctx.train_callbacks(), ctx.storage.target(ctx.checkpoint_dir)[1])
+    clock.processes = 0 if local else cfg.num_workers + 1
+    ctx.progress(line("bf16" if bf16 else "fp32") + (", in this process" if local else ""))
     result = fit(worker, {
         "objective": objective, "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init),
         "ds_config": ds_config, "total_steps": steps, "pad_id": tok.pad_token_id,
@@ -116,7 +119,8 @@ def worker(c: dict) -> None:
     clock.mark("workers")  # Ray Train's controller, the worker processes, their process group
     from stages.common import startup
 
-    startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
+    if not in_process.active():  # the driver keeps its imports as they are
+        startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
     import torch
 
     from stages.common import training

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline import events
+from stages.common import in_process
 from stages.common.deepspeed import TrainingConfig, backend, device_env
 
 if TYPE_CHECKING:
@@ -66,6 +67,14 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
     # replay their batches from memory after the first pass (`ReplayBatches`).
     for ds in datasets.values():  # every worker reads every split: no progress bars in the forwarded worker logs
         ds.context.enable_progress_bars = False
+    if in_process.wanted(tcfg.num_workers, callbacks, storage_fs):  # one worker: the driver trains
+        for ds in datasets.values():  # what DataConfig below says; local mode does not read it
+            ds.context.execution_options.preserve_order = True
+        return in_process.fit(lambda config: TorchTrainer(
+            loop, train_loop_config={**config, "storage": run_storage, "splits": direct},
+            torch_config=TorchConfig(backend=backend(gpu)), scaling_config=ScalingConfig(num_workers=0),
+            datasets=datasets), loop_config, checkpoints, tcfg.keep_checkpoints, tcfg.max_failures, events.say,
+            backend(gpu), device_env(gpu))
     trainer = TorchTrainer(
         loop,
         train_loop_config={**loop_config, "storage": run_storage, "splits": direct},
@@ -368,13 +377,17 @@ def init_engine(model, ds_config: dict):
 
 
 def restore(engine) -> dict:
-    """Load the latest reported checkpoint into `engine`; return its trainer state (or a fresh one)."""
+    """Load the latest reported checkpoint into `engine` (in the driver: the latest `in_process.commit`);
+    return its trainer state (or a fresh one)."""
+    import contextlib
+
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    local = in_process.latest() if checkpoint is None and in_process.active() else None
+    if checkpoint is None and local is None:
         return {"step": 0, "epoch": 0, "micro_in_epoch": 0}
-    with checkpoint.as_directory() as d:
+    with contextlib.nullcontext(str(local)) if local else checkpoint.as_directory() as d:
         load_checkpoint(engine, Path(d))
         return json.loads((Path(d) / STATE_FILE).read_text())
 
@@ -386,32 +399,10 @@ def save_checkpoint(engine, directory: Path, rank: int) -> None:
 
     peft = lora.is_peft(engine.module)
     if peft:
-        _exclude_tied_frozen_weights(engine)
+        lora.exclude_tied_frozen_weights(engine)
     engine.save_checkpoint(str(directory), tag=DS_TAG, exclude_frozen_parameters=peft)
     if peft and rank == 0:
         lora.save_adapter(engine.module, Path(directory) / lora.ADAPTER_DIR)
-
-
-def _exclude_tied_frozen_weights(engine) -> None:
-    """Make DeepSpeed's `exclude_frozen_parameters` also drop frozen *tied* weights.
-
-    DeepSpeed removes the names `named_parameters()` lists, which lists a tied weight once: the
-    output layer tied to the frozen input embeddings stayed in every LoRA checkpoint, a full copy of
-    the embedding matrix (113 MB for SmolLM2-135M). Patched on the engine instance, not the class."""
-    if getattr(engine, "_frozen_tied_excluded", False):
-        return
-    original = type(engine).module_state_dict
-
-    def module_state_dict(*args, exclude_frozen_parameters=False, **kwargs):
-        state = original(engine, *args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
-        if exclude_frozen_parameters:
-            for name, p in engine.module.named_parameters(remove_duplicate=False):
-                if not p.requires_grad:
-                    state.pop(name, None)
-        return state
-
-    engine.module_state_dict = module_state_dict
-    engine._frozen_tied_excluded = True
 
 
 def load_checkpoint(engine, directory: Path) -> None:
@@ -454,12 +445,18 @@ def report(engine, state: dict, metrics: dict[str, Any], rank: int, with_checkpo
         return
     from stages.common import lora
 
-    with tempfile.TemporaryDirectory() as d:
-        save_checkpoint(engine, Path(d), rank)
+    def write(d: Path) -> None:
+        save_checkpoint(engine, d, rank)
         if not lora.is_peft(engine.module):  # a LoRA adapter is merged by `export`, once, on the driver
-            save_hf(engine, Path(d) / "hf", rank)
+            save_hf(engine, d / "hf", rank)
         if rank == 0:
-            (Path(d) / STATE_FILE).write_text(json.dumps(state))
+            (d / STATE_FILE).write_text(json.dumps(state))
+
+    if in_process.active():  # Ray Train's local mode keeps no checkpoint of its own
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(in_process.commit(write, state["step"])))
+        return
+    with tempfile.TemporaryDirectory() as d:
+        write(Path(d))
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
 
