@@ -96,11 +96,14 @@ def _process_group(backend: str):
         yield
     finally:
         import deepspeed.comm
+        from deepspeed.utils import groups
 
         if dist.is_initialized():
-            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's reference to the group
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's references to the group
+        # Ray Train's local controller destroys the group itself when the loop succeeds (torch's call, not
+        # DeepSpeed's), which leaves DeepSpeed's clone of the world group cached: the next engine in this
+        # process broadcast over it ("Group ... is not registered"). DeepSpeed has no public call for this.
+        groups._release_process_group_references(None)
 
 
 @contextlib.contextmanager
