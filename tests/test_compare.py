@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 from helpers.runs import fake_run
 from pipeline.errors import UserError
-from stages.common.evaluation import paired
+from stages.common.evaluation import engines_at_once, paired
 from stages.common.runs import find_policy
 from stages.compare import shared_prompts, shared_task
 
@@ -73,6 +73,15 @@ def test_paired_counts_wins_and_losses_and_tests_them():
     assert got["diff"] == pytest.approx(0.4) and got["p"] == pytest.approx(0.625)  # 2 x P(X <= 1 | n=4)
     with pytest.raises(ValueError, match="same prompts"):
         paired([1.0], [1.0, 0.0])
+
+
+def test_engines_start_in_waves_the_cluster_can_place():
+    """Three models on two CPUs: two engines, then one. All three at once left the third unplaced while the
+    caller waited on its answers, the other two alive until then (test_sft_stage's three-model check hung)."""
+    assert engines_at_once({"CPU": 2.0}, 1.0, gpu=False) == 2
+    assert engines_at_once({"CPU": 8.0, "GPU": 3.0}, 1.0, gpu=True) == 3  # one GPU an engine
+    assert engines_at_once({"CPU": 1.0}, 2.0, gpu=False) == 1  # too big for the cluster: Ray's own error, not a hang here
+    assert engines_at_once({}, 1.0, gpu=True) == 1
 
 
 def test_a_policy_is_found_by_its_mlflow_run_id(tmp_path):

@@ -133,7 +133,7 @@ def test_sft_learns_and_exports_a_loadable_model(smoke_trained):
 
 
 @pytest.mark.slow
-def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trained, tmp_path):
+def test_vllm_engines_answer_the_held_out_prompts_as_hf_generate_does(smoke_trained, ray_local, tmp_path):
     """`accuracy_engine: vllm`: the engines' greedy answers (and which ones were cut off) are HF's,
     for the base and the tuned model alike, so the switch changes the speed, not the figure. The smoke
     models answer every prompt with one repeated token, so a third model, the base with larger random

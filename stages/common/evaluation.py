@@ -22,8 +22,9 @@ def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], sampling
     """Each model's answers to every prompt under each sampling (vLLM `SamplingParams` fields: `n`,
     `temperature`, `max_tokens`, `seed`, ...): per model, per sampling, per prompt (texts, cut off by
     `max_tokens`), each model's decoded by its own tokenizer. One engine actor per model; they start and
-    answer concurrently and are shut down before this returns, also on failure. `own_prompt_ids`: per
-    model, the prompts as its own tokenizer encodes them (models of different runs), else `prompt_ids`."""
+    answer concurrently, as many at a time as the cluster holds (`engines_at_once`), and are shut down
+    before this returns, also on failure. `own_prompt_ids`: per model, the prompts as its own tokenizer
+    encodes them (models of different runs), else `prompt_ids`."""
     import ray
 
     from stages.common.deepspeed import use_gpu
@@ -36,12 +37,19 @@ def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], sampling
                       gpu=use_gpu(), storage=storage)
     actor = ray.remote(RolloutEngine).options(num_cpus=spec.num_cpus, num_gpus=1 if spec.gpu else 0,
                                               runtime_env=spec.runtime_env())
-    engines = [actor.remote(str(d), spec, 0) for d in model_dirs]
-    try:
-        outs = [ray.get([e.generate.remote(ids, s) for s in samplings]) for e, ids in zip(engines, per_model)]
-    finally:
-        for e in engines:
-            ray.kill(e)
+    outs: list = []
+    # As many engines at once as the cluster can place: a third engine on two CPUs waited for a slot that
+    # the other two, alive until every answer was in, never gave back (the caller hung on its answers).
+    wave = engines_at_once(ray.cluster_resources() if ray.is_initialized() else {}, spec.num_cpus, spec.gpu)
+    for start in range(0, len(model_dirs), wave):
+        engines = [actor.remote(str(d), spec, 0) for d in model_dirs[start:start + wave]]
+        try:
+            pending = [[e.generate.remote(ids, s) for s in samplings]
+                       for e, ids in zip(engines, per_model[start:start + wave])]
+            outs += [ray.get(refs) for refs in pending]
+        finally:
+            for e in engines:
+                ray.kill(e)
 
     def decode(tok, groups):
         return [(tok.batch_decode([g["ids"] for g in group], skip_special_tokens=True),
@@ -49,6 +57,18 @@ def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], sampling
 
     toks = {str(d): load_tokenizer(d) for d in model_dirs}
     return [[decode(toks[str(d)], groups) for groups in per_sampling] for d, per_sampling in zip(model_dirs, outs)]
+
+
+def engines_at_once(resources: dict[str, float], num_cpus: float, gpu: bool) -> int:
+    """How many engine actors the cluster's `resources` (`ray.cluster_resources()`; none known: one at a
+    time) hold side by side: at least one, so that an engine asking for more than there is fails in Ray's
+    own words, not here."""
+    if not resources:
+        return 1
+    per = [resources.get("CPU", 0.0) / num_cpus] if num_cpus else []
+    if gpu:
+        per.append(resources.get("GPU", 0.0))
+    return max(1, int(min(per))) if per else 1
 
 
 def per_prompt_accuracy(answers: list[tuple[list[str], list[bool]]], rows: list[dict], verifier: str) -> list[float]:
