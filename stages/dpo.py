@@ -487,6 +487,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     rows = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.eval_prompts)
     if rows:
         ctx.progress(f"scoring answers on {len(rows)} held-out prompts (greedy, {cfg.eval_samples} sampled each)")
+        ctx.ray()  # the engines are Ray actors; one worker trained without Ray (train_loop.train)
         metrics.update(task_accuracy(init, out, rows, cfg, ctx.pipeline.task.verifier, ctx.pipeline.seed,
                                      ctx.storage))
         line = (f"greedy accuracy {metrics['eval_accuracy_before']:.3f} -> {metrics['eval_accuracy']:.3f} "

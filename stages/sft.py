@@ -178,6 +178,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
     if prompts:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts ({cfg.accuracy_engine})")
         if cfg.accuracy_engine == "vllm":
+            ctx.ray()  # the engines are Ray actors; one worker trained without Ray (train_loop.train)
             (base_acc, base_cut), (acc, cut) = (verified_share(*answers, prompts, verifier) for answers in engine_greedy(
                 [base, out], [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, ctx.pipeline.seed, ctx.storage))
         else:

@@ -16,7 +16,7 @@ from pipeline.runner import build_plan, run_pipeline
 from stages.common import tasks
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
-STARTS = {"pipelines": 10}
+STARTS = {"pipelines": 12}
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +91,27 @@ def test_the_same_config_writes_the_same_files(ray_local, run_dir, tracking_uri,
     and two runs that wrote the same rows with parts swapped trained SFT on another batch order."""
     first, _ = run_data(run_dir, tracking_uri)
     again, _ = run_data(tmp_path / "again", tracking_uri)
-
-    def parts(outputs):
-        return [[pq.read_table(f).to_pylist() for f in sorted((outputs[name] / split).glob("*.parquet"))]
-                for name in ("sft_data", "preference_data", "prompt_data") for split in ("train", "eval")]
-
     assert parts(first) == parts(again)
+
+
+def test_the_driver_dedupe_writes_what_ray_datas_groupby_writes(ray_local, run_dir, tracking_uri, tmp_path,
+                                                                monkeypatch):
+    """A small dataset is deduplicated in the driver (`stages.data._unique`, pyarrow), a large one by Ray
+    Data's groupby: the same rows in the same part files, and the same counts, either way."""
+    import stages.data
+
+    first, counts = run_data(run_dir, tracking_uri)  # the module's run: the driver's dedupe
+    monkeypatch.setattr(stages.data, "DRIVER_DEDUPE_MAX_BYTES", -1)  # every dataset "large"
+    again, counts_again = run_data(tmp_path / "groupby", tracking_uri)
+    assert counts["sft_rows_duplicate"] > 0  # something to drop
+    assert parts(first) == parts(again)
+    assert {k: v for k, v in counts.items() if "_rows" in k} == {k: v for k, v in counts_again.items() if "_rows" in k}
+
+
+def parts(outputs) -> list:
+    """Every part file's rows, per dataset and split, in file order."""
+    return [[pq.read_table(f).to_pylist() for f in sorted((outputs[name] / split).glob("*.parquet"))]
+            for name in ("sft_data", "preference_data", "prompt_data") for split in ("train", "eval")]
 
 
 def _write_user_files(tmp_path):

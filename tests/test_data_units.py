@@ -1,5 +1,6 @@
 """Pure parts of the data stage: split, assistant-span masks, packing."""
 
+import json
 import os
 
 from stages.common import tasks
@@ -155,3 +156,50 @@ def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
     ids, mask = tok._conversation(call)
     trained = tok.tok.decode([t for t, m in zip(ids, mask) if m])
     assert '<tool_call>{"name": "calc", "arguments": {"expr": "2 + 2"}}</tool_call>' in trained and "2 + 2?" not in trained
+
+
+def test_first_of_each_keeps_one_row_per_key_in_key_order():
+    """The driver's dedupe (`stages.data._unique` on a small dataset): sorted by the keys, the first row of
+    each distinct key kept, the other columns carried along, as Ray Data's groupby + `first_row` gives."""
+    import pyarrow as pa
+
+    from stages.data.steps import first_of_each
+
+    t = pa.table({"kind": ["sft", "sft", "prompts", "sft", "prompts"], "order": ["b", "a", "c", "b", "c"],
+                  "payload": ["x", "y", "z", "x", "w"], "source": ["1", "2", "3", "4", "5"]})
+    out = first_of_each(t, ["kind", "order", "payload"]).to_pylist()
+    assert [(r["kind"], r["order"], r["payload"]) for r in out] == [
+        ("prompts", "c", "w"), ("prompts", "c", "z"), ("sft", "a", "y"), ("sft", "b", "x")]
+    assert out[-1]["source"] in ("1", "4")  # one of the two equal rows, the other dropped
+    assert first_of_each(t.slice(0, 1), ["kind"]).num_rows == 1 and first_of_each(t.slice(0, 0), ["kind"]).num_rows == 0
+
+
+def test_a_tokenizing_process_loads_its_tokenizer_once_and_anew_when_the_model_changes(tokenizer, tmp_path,
+                                                                                        monkeypatch):
+    """`tokenize_batch` runs as Ray Data tasks: each process makes one `Tokenize` per model directory and
+    keeps it for its later batches; a directory rewritten since (a forced model rerun) is loaded again."""
+    import os
+
+    import pyarrow as pa
+
+    from stages.data import steps
+
+    tokenizer.save_pretrained(tmp_path)
+    made = []
+    real = steps.Tokenize
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            made.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "Tokenize", Counted)
+    monkeypatch.setattr(steps, "_TOKENIZERS", {})
+    batch = pa.table({"kind": ["prompts"], "split": ["train"], "order": ["a"],
+                      "payload": [json.dumps({"prompt": "1 + 1?", "answer": "2", "key": "1 + 1?"})]})
+    first = steps.tokenize_batch(batch, str(tmp_path), 64, None)
+    again = steps.tokenize_batch(batch, str(tmp_path), 64, None)
+    assert len(made) == 1 and first.to_pylist() == again.to_pylist() and first["prompt_ids"][0].as_py()
+    os.utime(tmp_path, ns=(0, os.stat(tmp_path).st_mtime_ns + 10**9))
+    steps.tokenize_batch(batch, str(tmp_path), 64, None)
+    assert len(made) == 2

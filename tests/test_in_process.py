@@ -6,15 +6,18 @@ left as it was. The checkpoint bookkeeping is checked on its own (fast)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from conftest import ROOT, TRAINED
 from test_sft_stage import history, run_sft, weights
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance"):
-# four in-process sft runs and the one-worker group they are compared with.
-STARTS = {"pipelines": 5, "ray": 5, "train_groups": 1, "vllm_engines": 5}
+# four in-process sft runs and the one-worker group they are compared with; a reward stage run alone.
+STARTS = {"pipelines": 6, "ray": 5, "train_groups": 1, "vllm_engines": 5}
 
 ONE = ("stages.sft.num_workers=1",)
 
@@ -126,3 +129,16 @@ def test_one_worker_in_the_driver_trains_as_a_one_worker_group_and_resumes(one_w
             np.testing.assert_allclose(wk[name], wa[name], atol=1e-6)
     # The driver as it was: no process group, not a Ray Train worker, its threads and environment kept
     assert driver == {"threads": (driver["threads"][0],) * 2, "group": False, "worker": False, "rank": None}
+
+
+@pytest.mark.slow
+@pytest.mark.tier("e2e", covers=("stages/common/train_loop.py", "stages/common/training.py", "stages/reward.py"))
+def test_a_one_worker_stage_run_alone_trains_without_starting_ray(smoke_trained, tmp_path):
+    """One worker reading its splits from their files needs no Ray at all: a reward stage run alone trains
+    in the pipeline's process and never starts Ray (4-6 s of a stage's start-up on this machine kind)."""
+    run_dir = smoke_trained(tmp_path / "run")
+    out = subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/smoke.yaml", "--only", "reward",
+                          "--force", "reward", *TRAINED, "stages.reward.num_workers=1", "stages.reward.max_steps=2",
+                          f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "in this process" in out.stdout and "Ray not started" in out.stdout, out.stdout[-3000:]

@@ -113,7 +113,7 @@ def zero3_problem(lora: LoraSection | None, zero_stage: int, where: str) -> str 
 class TrainingConfig(Section):
     """Optimisation settings shared in shape by the sft and reward stages."""
 
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks).")
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks); 1 trains in the pipeline's own process, no worker group (docs/training.md).")
     epochs: int = Field(1, ge=1, description="Passes over the training split.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (empty: run all epochs).")
     batch_size: int = Field(32, ge=1, description="Global batch: sequences per optimizer step over all workers.")

@@ -88,24 +88,29 @@ def train(objective: Objective, cfg, ctx: StageContext, init: Path, data: Path, 
     Train `Result`, the tokenizer). `line(precision)` says what trains, for the progress line; `extra` reaches
     the workers' `c`."""
     from stages.common.deepspeed import deepspeed_config, use_bf16, use_gpu
-    from stages.common.training import fit, tokenizer_and_ray
+    from stages.common.models import load_tokenizer
+    from stages.common.training import direct_splits, fit, tokenizer_and_ray
 
     gpu = use_gpu()
     bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
     clock.mark("driver")
-    tok = tokenizer_and_ray(init, ctx)
-    clock.mark("ray")  # the tokenizer loaded meanwhile
     # Ray Train's controller and its workers; none when one worker trains in this process (in_process.py)
     local = in_process.wanted(cfg.num_workers, ctx.train_callbacks(), ctx.storage.target(ctx.checkpoint_dir)[1])
+    splits = {"train": data / "train", "eval": data / "eval"}
+    # Ray itself only for a worker group or a split that streams through Ray Data: one worker reading its
+    # files trains without it (a later step that needs Ray, e.g. vLLM's evaluation, starts it then)
+    tok = tokenizer_and_ray(init, ctx) if not local or direct_splits(splits).keys() != splits.keys() \
+        else load_tokenizer(init)
+    clock.mark("ray")  # the tokenizer loaded meanwhile
     clock.processes = 0 if local else cfg.num_workers + 1
     ctx.progress(line("bf16" if bf16 else "fp32") + (", in this process" if local else ""))
     result = fit(worker, {
         "objective": objective, "cfg": cfg.model_dump(mode="json"), "seed": ctx.pipeline.seed, "init": str(init),
         "ds_config": ds_config, "total_steps": steps, "pad_id": tok.pad_token_id,
         "tracking_uri": ctx.pipeline.tracking_uri, "run_id": ctx.run_id, "name": ctx.name, "startup": clock, **extra,
-    }, cfg, {"train": data / "train", "eval": data / "eval"}, ctx.checkpoint_dir, ctx.storage, gpu,
+    }, cfg, splits, ctx.checkpoint_dir, ctx.storage, gpu,
         ctx.train_callbacks())
     return result, tok
 

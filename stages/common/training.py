@@ -49,9 +49,7 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
 
     from stages.common.parquet import read_parquet
 
-    # A small split is read by each worker straight from its files (`ParquetSplit`); a large one
-    # streams through Ray Data.
-    direct = {name: str(path) for name, path in splits.items() if parquet_bytes(path) <= DIRECT_READ_MAX_BYTES}
+    direct = direct_splits(splits)
     datasets = {name: read_parquet(path, run_storage) for name, path in splits.items() if name not in direct}
 
     # With an object store the checkpoints live in the bucket (any node's restarted workers read
@@ -125,6 +123,12 @@ def fit_and_end_controller(trainer):
                 ray.kill(controller)
             except Exception:  # noqa: BLE001 - Ray already gone (a failed run's shutdown): nothing left to kill
                 pass
+
+
+def direct_splits(splits: dict[str, Path]) -> dict[str, str]:
+    """The splits each worker reads straight from their files (`ParquetSplit`): the small ones. A large one
+    streams through Ray Data (`fit`)."""
+    return {name: str(path) for name, path in splits.items() if parquet_bytes(path) <= DIRECT_READ_MAX_BYTES}
 
 
 def tokenizer_and_ray(model_dir: Path, ctx):

@@ -5,7 +5,7 @@ Built on Ray Data, reading top to bottom:
     read (jsonl / parquet / csv, or the generated task set)
       -> validate each row (`on_bad_rows: drop | fail`; a bad file is named with its line)
       -> deduplicate -> split train/eval by a seeded hash of the row's group (default: its prompt)
-      -> chat template + tokenize (`map_batches` on an actor pool) + truncate to `max_len`
+      -> chat template + tokenize (`map_batches` tasks; each process keeps its tokenizer) + truncate to `max_len`
          + loss mask (1 on assistant tokens only) [+ pack SFT rows]
       -> Parquet: <out>/sft/{train,eval}, <out>/preference/{train,eval}, <out>/prompts/{train,eval}
 
@@ -26,17 +26,21 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
+from pipeline import events
 from pipeline.errors import DataError
 from pipeline.schema import Section
 from stages.data.files import locate_problem
 from stages.data.formats import KINDS, RowError, check_row
 from stages.data.sources import SourceConfig, SourcesConfig, resolve_format
-from stages.data.steps import COLUMNS, Tokenize, count_by, first_row, pack_batch, read_kind
+from stages.data.steps import COLUMNS, count_by, first_of_each, first_row, pack_batch, read_kind, tokenize_batch
 
 if TYPE_CHECKING:  # annotations only: the data stage's key does not cover the storage code
     from pipeline.stage import StageContext
     from pipeline.run_storage import RunStorage
 
+
+# A validated dataset up to this size is deduplicated in the driver (`_unique`), a larger one by Ray Data.
+DRIVER_DEDUPE_MAX_BYTES = 256 * 2**20
 
 # The generated task's default row counts per kind, used when the config gives no sources at all.
 GENERATE_DEFAULTS = {"sft": 4000, "preference": 2000, "prompts": 1000}
@@ -69,7 +73,8 @@ class DataConfig(Section):
     on_bad_rows: Literal["drop", "fail"] = Field("drop", description="'drop': skip invalid rows and count them; 'fail': stop at the first, naming file and line.")
     system_prompt: str | None = Field(None, description="System message prepended to conversations that have none.")
     batch_size: int = Field(256, ge=1, description="Rows per Ray Data batch for validation and tokenization.")
-    tokenizer_actors: int = Field(2, ge=1, description="Size of the tokenizer actor pool.")
+    tokenizer_actors: int = Field(2, ge=1, description="Processes that tokenize at once (Ray Data tasks; each process "
+                                  "loads the tokenizer on its first batch and keeps it).")
 
     @model_validator(mode="after")
     def _some_data(self) -> "DataConfig":
@@ -177,20 +182,48 @@ def _checked(sources, cfg: DataConfig, pcfg, progress):
         raise  # not a problem in the user's files: a real failure, shown with its traceback
 
 
-def _bad_rows(checked, on_bad_rows: str, sources) -> dict[tuple[str, str], int]:
-    """Invalid rows per (kind, reason code); with on_bad_rows=fail, raise naming the first one's file and line."""
+def _counts(checked, on_bad_rows: str, sources) -> tuple[dict[tuple[str, str], int], dict[tuple[str], int]]:
+    """(invalid rows per (kind, reason code), valid rows per (kind,)), counted in one pass; with
+    on_bad_rows=fail, raise naming the first invalid row's file and line."""
     from ray.data.expressions import col
 
-    bad = checked.filter(expr=col("error") != "")
-    counts = {(kind, code): n for (kind, code), n in count_by(bad, ["kind", "code"]).items()}
+    both = count_by(checked, ["kind", "code"])  # a valid row's code is ""
+    counts = {(kind, code): n for (kind, code), n in both.items() if code}
+    valid = {(kind,): n for (kind, code), n in both.items() if not code}
     if counts and on_bad_rows == "fail":
-        first = bad.take(1)[0]
+        first = checked.filter(expr=col("error") != "").take(1)[0]
         src = next((s for k, s in sources if k == first["kind"] and isinstance(s, SourceConfig)
                     and s.path == first["source"]), None)
         where = _locate(first["kind"], src) if src is not None else None
         raise DataError(f"{where or first['source'] + ': ' + first['error']} ({sum(counts.values())} invalid rows; "
                         "fix them, or set stages.data.on_bad_rows=drop to skip and count them)")
-    return counts
+    return counts, valid
+
+
+def _unique(good, dedupe: bool):
+    """(the valid rows, each once when `dedupe`; how many). A small dataset is deduplicated here, in this
+    process (`first_of_each`): Ray Data's groupby starts a shuffle whose fixed cost (13 of the default's
+    45 s for 19k rows, issue 60) dwarfs the work at that size; a larger one goes through the groupby.
+    Both give the same rows in the same order (tests/test_data_stage.py)."""
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    if not dedupe:
+        return good, good.count()
+    keys = ["kind", "order", "payload"]
+    good = good.materialize()
+    if good.size_bytes() <= DRIVER_DEDUPE_MAX_BYTES:
+        tables = [t for t in ray.get(good.to_arrow_refs()) if t.num_rows]
+        if not tables:
+            return good, 0
+        table = first_of_each(pa.concat_tables(tables), keys)
+        return ray.data.from_arrow(table), table.num_rows
+    # Grouping by the seeded `order` hash first shuffles the rows as a side effect of the sort.
+    # One partition: its output is one sorted stream, the same every run (with several, the
+    # partitions came out in completion order); the default (200) costs seconds of set-up.
+    unique = good.groupby(keys, num_partitions=1).map_groups(first_row, batch_format="pyarrow").materialize()
+    return unique, unique.count()
 
 
 def _first_error(checked, kind: str) -> str:
@@ -264,7 +297,9 @@ def _quiet_ray_data() -> None:
 
 def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
     """Build the three datasets; log row, token and dropped counts per kind."""
+    clock = events.StartupClock()  # the stage's fixed cost: everything before the first row is tokenized
     ctx.ray()
+    clock.mark("ray")
     _quiet_ray_data()
     # Blocks leave the groupby and the tokenizer pool in completion order unless told otherwise,
     # and the Parquet part files are numbered in that order: two runs wrote the same rows with
@@ -276,27 +311,23 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
     ctx.progress("reading and validating sources")
     sources = _sources(cfg, ctx.pipeline)
     checked = _checked(sources, cfg, ctx.pipeline, ctx.progress)
-    bad = _bad_rows(checked, cfg.on_bad_rows, sources)
+    clock.mark("read")
+    bad, valid = _counts(checked, cfg.on_bad_rows, sources)
+    clock.mark("count")
     from ray.data.expressions import col
 
-    good = checked.filter(expr=col("error") == "")
-    valid = count_by(good, ["kind"])
-    n_good = sum(valid.values())
-    if cfg.dedupe:
-        # Grouping by the seeded `order` hash first shuffles the rows as a side effect of the sort.
-        # One partition: its output is one sorted stream, the same every run (with several, the
-        # partitions came out in completion order); the default (200) costs seconds of set-up.
-        good = good.groupby(["kind", "order", "payload"], num_partitions=1)
-        good = good.map_groups(first_row, batch_format="pyarrow").materialize()  # counted for the progress total
-        n_good = good.count()
-    ctx.progress(f"tokenizing {n_good} {'unique ' if cfg.dedupe else ''}valid rows ({sum(bad.values())} invalid) on {cfg.tokenizer_actors} actor(s)")
-    from ray.data import ActorPoolStrategy
-
+    good, n_good = _unique(checked.filter(expr=col("error") == ""), cfg.dedupe)  # counted for the progress total
+    clock.mark("dedupe")
+    clock.done()
+    ctx.progress(clock.line("tokenizing"))
+    ctx.progress(f"tokenizing {n_good} {'unique ' if cfg.dedupe else ''}valid rows ({sum(bad.values())} invalid) "
+                 f"in {cfg.tokenizer_actors} process(es)")
     tokens = good.map_batches(
-        Tokenize, batch_format="pyarrow", batch_size=cfg.batch_size, compute=ActorPoolStrategy(size=cfg.tokenizer_actors),
-        fn_constructor_kwargs={"tokenizer_path": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
-                               "system_prompt": cfg.system_prompt, "total_rows": n_good},
+        tokenize_batch, batch_format="pyarrow", batch_size=cfg.batch_size, concurrency=cfg.tokenizer_actors,
+        fn_kwargs={"tokenizer_path": str(ctx.inputs["base_model"]), "max_len": cfg.max_len,
+                   "system_prompt": cfg.system_prompt, "total_rows": n_good},
     ).materialize()
+    tokenized = clock.mark("tokenize")
     per_kind = count_by(tokens, ["kind", "split"])
     metrics: dict[str, int] = {}
     for kind in KINDS:
@@ -333,6 +364,8 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
         ctx.progress(f"{kind}: {metrics[f'{kind}_train_rows']} train / {metrics[f'{kind}_eval_rows']} eval rows "
                      f"({metrics[f'{kind}_rows_bad']} invalid{_reasons(reasons)}, {metrics[f'{kind}_rows_duplicate']} duplicate, "
                      f"{metrics[f'{kind}_rows_too_long']} too long dropped)")
-    ctx.log_metrics(metrics)
+    written = clock.mark("write")
+    ctx.progress(f"tokenized in {tokenized:.1f}s (each process's tokenizer load included), written in {written:.1f}s")
+    ctx.log_metrics(metrics | clock.metrics() | {"tokenize_s": tokenized, "write_s": written})
     return {"sft_data": ctx.out_dir / "sft", "preference_data": ctx.out_dir / "preference",
             "prompt_data": ctx.out_dir / "prompts"}

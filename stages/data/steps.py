@@ -1,6 +1,6 @@
 """The steps each row of the data stage goes through: pure row functions (its split, its order, its chat
 template with the assistant spans, the loss mask, packing), then the Ray Data steps that apply them (read and
-validate, count, tokenize on an actor pool, pack). The stage (`stages/data/__init__.py`) chains them.
+validate, count, tokenize in the workers, pack). The stage (`stages/data/__init__.py`) chains them.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def pack_rows(rows: list[tuple[list[int], list[int]]], max_len: int) -> list[dic
 
 # --------------------------------------------------------------------------- Ray Data steps
 # All three row kinds travel through one Ray Data pipeline with one schema, so the whole stage
-# costs one read pass, one tokenizer actor pool and one materialisation (Ray Data's fixed cost per
+# costs one read pass, one tokenizing pass and one materialisation (Ray Data's fixed cost per
 # execution dominates at this data size; docs/architecture.md, fact 12).
 
 # Columns each kind writes, besides `num_tokens`.
@@ -194,7 +194,7 @@ def _table(rows: list[dict]):
 
 
 class Tokenize:
-    """Ray Data actor: validated payload rows of any kind -> token ids and loss masks.
+    """Validated payload rows of any kind -> token ids and loss masks (one per process: `tokenize_batch`).
 
     Rows too long to use are kept as `split = "dropped:<split>"`, and rows the chat template cannot
     render as given (tool calls a template ignores) as `split = "invalid:<code>"`, so the stage can
@@ -205,7 +205,7 @@ class Tokenize:
         from stages.common.models import load_tokenizer
 
         self.tok, self.max_len, self.system = load_tokenizer(tokenizer_path), max_len, system_prompt
-        self.total_rows = total_rows  # for the console's progress (rows done out of this, over all actors)
+        self.total_rows = total_rows  # for the console's progress (rows done out of this, over all processes)
 
     def _with_system(self, messages: list[dict]) -> list[dict]:
         if self.system and messages[0]["role"] != "system":
@@ -263,6 +263,48 @@ class Tokenize:
         if self.total_rows:
             events.advance("data: tokenize", by=len(rows), total=self.total_rows, unit="row")
         return _table(rows)
+
+
+_TOKENIZERS: dict[tuple, Tokenize] = {}  # per process: (path, its mtime, max_len, system prompt, total) -> Tokenize
+
+
+def tokenize_batch(batch, tokenizer_path: str, max_len: int, system_prompt: str | None, total_rows: int | None = None):
+    """Ray Data task: `Tokenize` a batch with this process's own `Tokenize`, made on its first batch and kept.
+
+    Tasks, not an actor pool: the stage's worker processes are up already (they read and validated the
+    rows), where a pool started processes of its own, each importing transformers before its first row
+    (11 of the default's 45 s, issue 60). A process keeps the tokenizer it loaded, keyed by the model
+    directory and its modification time, so a rewritten directory is loaded anew."""
+    import os
+
+    try:
+        mtime = os.stat(tokenizer_path).st_mtime_ns
+    except OSError:
+        mtime = 0
+    key = (tokenizer_path, mtime, max_len, system_prompt, total_rows)
+    if key not in _TOKENIZERS:
+        from stages.common import startup
+
+        startup.lean_imports()  # a worker of ours: transformers without scikit-learn (stages/common/startup.py)
+        _TOKENIZERS[key] = Tokenize(tokenizer_path, max_len, system_prompt, total_rows)
+    return _TOKENIZERS[key](batch)
+
+
+def first_of_each(table, keys: list[str]):
+    """`table` sorted by `keys`, one row per distinct key (the first): the dedupe of a small dataset in one
+    process, in the order Ray Data's `groupby(keys, num_partitions=1).map_groups(first_row)` gives."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = table.sort_by([(k, "ascending") for k in keys])
+    if table.num_rows < 2:
+        return table
+    same = None
+    for k in keys:
+        column = table.column(k)
+        equal = pc.equal(column.slice(1), column.slice(0, table.num_rows - 1))
+        same = equal if same is None else pc.and_(same, equal)
+    return table.filter(pa.concat_arrays([pa.array([True]), pc.invert(same).combine_chunks()]))
 
 
 def pack_batch(batch, max_len: int):
