@@ -1,11 +1,11 @@
-"""Start-up of each training stage of the default (and the DPO recipe's dpo stage), and where it goes.
+"""Start-up of the default's data stage and each training stage (and the DPO recipe's dpo stage), and where it goes.
 
     .venv/bin/python bench/startup.py --json bench/startup.json
     .venv/bin/python bench/startup.py --stages ppo --repeats 3      # one stage, median of 3
 
 Start-up is a stage's fixed cost: from the moment its `run()` begins to its first optimizer step
-(sft, reward, dpo) or its first iteration (ppo), held-out evaluations before it not counted (they
-scale with the prompts a config asks for). Every stage measures it itself (`pipeline.events
+(sft, reward, dpo), its first iteration (ppo) or its first tokenized row (data), held-out evaluations
+before it not counted (they scale with the prompts a config asks for). The data stage runs whole. Every stage measures it itself (`pipeline.events
 .StartupClock`) and records it in its manifest and MLflow run (`startup_s`, `startup_<part>_s`);
 this script runs the stages and reads those figures back.
 
@@ -43,10 +43,11 @@ SHORT = {
     "reward": ["stages.reward.max_steps=3"],
     "ppo": ["stages.ppo.iterations=1", "stages.ppo.eval_prompts=0", "stages.ppo.checkpoint_every=1"],
     "dpo": ["stages.dpo.max_steps=3", "stages.dpo.eval_prompts=0"],
+    "data": [],  # the whole stage: its start-up is what passes before tokenizing begins
 }
 # Upstream of the measured stages, short (untimed).
 PREPARE = ["stages.sft.max_steps=2", "stages.sft.accuracy_prompts=0", "stages.reward.max_steps=2"]
-CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "ppo": DEFAULT, "dpo": DPO}
+CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "ppo": DEFAULT, "dpo": DPO, "data": DEFAULT}
 
 
 def pipeline(config: Path, run_dir: Path, *args: str) -> dict:
@@ -68,11 +69,14 @@ def measure(stage: str, run_dir: Path) -> dict:
     summary = pipeline(CONFIG[stage], run_dir, "--only", stage, "--force", stage, *PREPARE, *SHORT[stage])
     entry = next(s for s in summary["stages"] if s["name"] == stage)
     metrics = json.loads((Path(entry["artifact"]) / "manifest.json").read_text())["metrics"]
-    if "startup_s" not in metrics:
+    if "startup_s" not in metrics and stage != "data":
         raise SystemExit(f"{stage}: its manifest has no startup_s (a stage that does not measure its start-up)")
+    if "startup_s" not in metrics:  # a data stage from before it measured its start-up: its whole time only
+        return {"stage": stage, "startup_s": float("nan"), "parts": {}, "details": {}, "processes": 0,
+                "wall_s": entry["duration_s"], "config": str(CONFIG[stage].relative_to(ROOT))}
     clock = {k.removeprefix("startup_").removesuffix("_s"): v for k, v in metrics.items()
              if k.startswith("startup_") and k not in ("startup_s", "startup_processes")}
-    parts_order = ("driver", "ray", "workers", "imports", "model", "deepspeed", "reference", "restore", "roles",
+    parts_order = ("driver", "ray", "read", "count", "dedupe", "workers", "imports", "model", "deepspeed", "reference", "restore", "roles",
                    "engines", "data", "evaluation", "reference_precompute")
     parts = {k: clock[k] for k in parts_order if k in clock}
     details = {k: v for k, v in clock.items() if k not in parts}
@@ -91,14 +95,14 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stages", nargs="+", default=["sft", "reward", "ppo", "dpo"], choices=sorted(SHORT))
+    ap.add_argument("--stages", nargs="+", default=["data", "sft", "reward", "ppo", "dpo"], choices=sorted(SHORT))
     ap.add_argument("--repeats", type=int, default=1, help="runs per stage; the median's figures are reported")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-startup")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
 
     t0 = time.time()
-    if {"sft", "reward", "ppo"} & set(args.stages):
+    if {"sft", "reward", "ppo", "data"} & set(args.stages):
         pipeline(DEFAULT, args.run_dir / "default", "--to", "reward", *PREPARE)
     if "dpo" in args.stages:
         pipeline(DPO, args.run_dir / "dpo", "--to", "sft", *PREPARE)
