@@ -282,10 +282,7 @@ def tokenize_batch(batch, tokenizer_path: str, max_len: int, system_prompt: str 
     except OSError:
         mtime = 0
     key = (tokenizer_path, mtime, max_len, system_prompt, total_rows)
-    if key not in _TOKENIZERS:
-        from stages.common import startup
-
-        startup.lean_imports()  # a worker of ours: transformers without scikit-learn (stages/common/startup.py)
+    if key not in _TOKENIZERS:  # (not `startup.lean_imports`: it would put the Train stages' code in this key)
         _TOKENIZERS[key] = Tokenize(tokenizer_path, max_len, system_prompt, total_rows)
     return _TOKENIZERS[key](batch)
 
