@@ -90,10 +90,11 @@ def history(tracking_uri: str, run_id: str) -> dict[str, list]:
 
 
 def step_seconds(hist: dict[str, list], metric: str = "train_loss", skip: int = 10) -> float:
-    """Seconds per optimizer step from the per-step metric's timestamps, past the first `skip` steps."""
+    """Seconds per optimizer step: the median gap between consecutive steps' log times (each step is logged
+    as it ends, `events.RankZeroLogger`), past the first `skip` steps; a step that also evaluated is an
+    outlier the median leaves out."""
     points = [(s, t) for s, _, t in hist[metric] if s > skip]
-    (s0, t0), (s1, t1) = points[0], points[-1]
-    return (t1 - t0) / 1000 / (s1 - s0)
+    return statistics.median((t1 - t0) / 1000 / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:]))
 
 
 def run_stage(run_dir: Path, stage: str, *overrides: str) -> tuple[dict, dict]:

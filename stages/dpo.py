@@ -478,7 +478,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     reference = cfg.reference_kind() or "none (reference-free)"
     result, tok = train_loop.train(
         Objective(), cfg, ctx, init, data, steps, lambda precision: f"{cfg.loss} on {n_pairs} pairs: {steps} steps on "
-        f"{cfg.num_workers} workers (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, beta {cfg.beta:g}, reference "
+        f"{cfg.num_workers} worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, beta {cfg.beta:g}, reference "
         f"{reference}, init from {cfg.init_from}{describe(cfg.lora)})", clock)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "causal")  # a LoRA adapter is merged into `init` here

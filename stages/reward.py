@@ -298,7 +298,7 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     heads = f", {cfg.heads} score heads on bootstrap resamples" if cfg.heads > 1 else ""
     result, tok = train_loop.train(
         Objective(), cfg, ctx, init, data, steps, lambda precision: f"training {steps} steps on {cfg.num_workers} "
-        f"workers (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_pairs} pairs, init from {cfg.init_from}"
+        f"worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_pairs} pairs, init from {cfg.init_from}"
         f"{describe(cfg.lora)}{heads})", clock, gold=ctx.pipeline.task.preference.gold)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "sequence", cfg.heads)  # a LoRA adapter is merged into `init` here

@@ -170,7 +170,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
                         f"{cfg.batch_size}; lower stages.sft.batch_size or generate more data")
     result, tok = train_loop.train(
         Objective(), cfg, ctx, base, data, steps, lambda precision: f"training {steps} steps on {cfg.num_workers} "
-        f"workers (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_train} rows{describe(cfg.lora)})", clock)
+        f"worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_train} rows{describe(cfg.lora)})", clock)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, base, "causal")  # a LoRA adapter is merged into the base here
     prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)

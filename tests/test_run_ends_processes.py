@@ -77,13 +77,16 @@ def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(smoke_ups
     """Issue 59, item 1: two runs at once on one machine (a cron job beside a manual run). Ray Train's
     PlacementGroupCleaner used to find both runs' Rays and print `Found multiple active Ray instances` as a
     traceback on the console; each run now addresses its own cluster, and ends only its own processes. Both
-    train sft at the same time (model and data are cache hits): the cleaner asks every second."""
+    train sft at the same time (model and data are cache hits): the cleaner asks every second. Each keeps a
+    one-worker group (`PIPELINE_TRAIN_GROUP=1`): in the driver, a one-worker sft starts neither the cleaner
+    nor, its splits read from their files, any Ray at all."""
     from concurrent.futures import ThreadPoolExecutor
 
     dirs = {name: smoke_upstream(tmp_path / name) for name in ("a", "b")}
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda name: _run(f"run_dir={dirs[name]}", "--to", "sft", "stages.sft.max_steps=4",
-                                               "stages.sft.num_workers=1", "stages.sft.accuracy_prompts=0"),
+                                               "stages.sft.num_workers=1", "stages.sft.accuracy_prompts=0",
+                                               env={"PIPELINE_TRAIN_GROUP": "1"}),
                              ("a", "b")))
     try:
         addresses = []
