@@ -93,7 +93,10 @@ def step_seconds(hist: dict[str, list], metric: str = "train_loss", skip: int = 
     """Seconds per optimizer step: the median gap between consecutive steps' log times (each step is logged
     as it ends, `events.RankZeroLogger`), past the first `skip` steps; a step that also evaluated is an
     outlier the median leaves out."""
-    points = [(s, t) for s, _, t in hist[metric] if s > skip]
+    first: dict[int, int] = {}  # a step may be logged twice (its metrics, then its checkpoint's report)
+    for s, _, t in hist[metric]:
+        first[s] = min(t, first.get(s, t))
+    points = sorted((s, t) for s, t in first.items() if s > skip)
     return statistics.median((t1 - t0) / 1000 / (s1 - s0) for (s0, t0), (s1, t1) in zip(points, points[1:]))
 
 
