@@ -93,6 +93,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def finish(t0: float, text: str, rows, path: Path | None) -> None:
+    """A bench's close: the date, its wall time and command line, its table, and its rows as JSON at `path`."""
+    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s: "
+          f"{' '.join(sys.argv)}\n")
+    print(text)
+    if path:
+        path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", nargs="+", default=["data", "sft", "reward", "ppo", "dpo"], choices=sorted(SHORT))
@@ -115,11 +124,7 @@ def main() -> None:
                      "startup_median_s": statistics.median(r["startup_s"] for r in runs)})
         print(f"{stage}: start-up {median['startup_s']:.1f}s "
               f"({', '.join(f'{k} {v:.1f}s' for k, v in median['parts'].items())})", file=sys.stderr, flush=True)
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s: "
-          f"{' '.join(sys.argv)}\n")
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    finish(t0, table(rows), rows, args.json)
 
 
 if __name__ == "__main__":

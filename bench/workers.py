@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup import DEFAULT, ROOT, pipeline  # noqa: E402  (bench/startup.py: one `pipeline run --json`)
+from startup import DEFAULT, ROOT, finish, pipeline  # noqa: E402  (bench/startup.py: a run, a bench's close)
 
 VARIANTS = {"group2": "2 workers, Ray Train's worker group", "local1": "1 worker, in the driver"}
 LEARNED = ("eval_loss", "accuracy", "eval_accuracy", "eval_accuracy_gold")
@@ -89,10 +89,7 @@ def main() -> None:
             median = sorted(rs, key=lambda r: r["wall_s"])[(len(rs) - 1) // 2]
             rows.append({**median, "walls": [r["wall_s"] for r in rs],
                          **({"ratio": statistics.median(ratios), "ratios": ratios} if variant == "local1" else {})})
-    print(f"\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {time.time() - t0:.0f} s: {' '.join(sys.argv)}\n")
-    print(table(rows))
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    finish(t0, table(rows), rows, args.json)
 
 
 if __name__ == "__main__":
