@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/startup.py --json bench/startup.json
     .venv/bin/python bench/startup.py --stages ppo --repeats 3      # one stage, median of 3
+    .venv/bin/python bench/startup.py --stages ppo-separate ppo-colocated   # ppo in each layout
 
 Start-up is a stage's fixed cost: from the moment its `run()` begins to its first optimizer step
 (sft, reward, dpo), its first iteration (ppo) or its first tokenized row (data), held-out evaluations
@@ -45,9 +46,15 @@ SHORT = {
     "dpo": ["stages.dpo.max_steps=3", "stages.dpo.eval_prompts=0"],
     "data": [],  # the whole stage: its start-up is what passes before tokenizing begins
 }
+# ppo in each layout (stages.ppo.layout), whatever configs/full.yaml ships: `ppo` alone is the config as it is.
+LAYOUTS = {"ppo-separate": ["stages.ppo.layout=separate", "stages.ppo.critic.num_ranks=1",
+                            "stages.ppo.reward.num_ranks=1"],
+           "ppo-colocated": ["stages.ppo.layout=colocated", "stages.ppo.critic.num_ranks=2",
+                             "stages.ppo.reward.num_ranks=2"]}
+SHORT |= {name: SHORT["ppo"] + overrides for name, overrides in LAYOUTS.items()}
 # Upstream of the measured stages, short (untimed).
 PREPARE = ["stages.sft.max_steps=2", "stages.sft.accuracy_prompts=0", "stages.reward.max_steps=2"]
-CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "ppo": DEFAULT, "dpo": DPO, "data": DEFAULT}
+CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "ppo": DEFAULT, "dpo": DPO, "data": DEFAULT} | dict.fromkeys(LAYOUTS, DEFAULT)
 
 
 def pipeline(config: Path, run_dir: Path, *args: str) -> dict:
@@ -65,9 +72,11 @@ def pipeline(config: Path, run_dir: Path, *args: str) -> dict:
 
 
 def measure(stage: str, run_dir: Path) -> dict:
-    """One forced run of `stage`; its start-up figures from the manifest it wrote."""
-    summary = pipeline(CONFIG[stage], run_dir, "--only", stage, "--force", stage, *PREPARE, *SHORT[stage])
-    entry = next(s for s in summary["stages"] if s["name"] == stage)
+    """One forced run of `stage` (ppo-separate, ppo-colocated: ppo in that layout); its start-up figures from
+    the manifest it wrote."""
+    name = stage.split("-")[0]
+    summary = pipeline(CONFIG[stage], run_dir, "--only", name, "--force", name, *PREPARE, *SHORT[stage])
+    entry = next(s for s in summary["stages"] if s["name"] == name)
     metrics = json.loads((Path(entry["artifact"]) / "manifest.json").read_text())["metrics"]
     if "startup_s" not in metrics and stage != "data":
         raise SystemExit(f"{stage}: its manifest has no startup_s (a stage that does not measure its start-up)")
@@ -111,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.time()
-    if {"sft", "reward", "ppo", "data"} & set(args.stages):
+    if {"sft", "reward", "ppo", "data", *LAYOUTS} & set(args.stages):
         pipeline(DEFAULT, args.run_dir / "default", "--to", "reward", *PREPARE)
     if "dpo" in args.stages:
         pipeline(DPO, args.run_dir / "dpo", "--to", "sft", *PREPARE)

@@ -48,17 +48,26 @@ BF16_TAG = "__bf16__"
 # --------------------------------------------------------------------------- weights as numpy
 
 
+def distinct(state_dict: dict) -> dict[str, Any]:
+    """A state dict's tensors, detached, each storage once (tied weights, lm_head = embed_tokens: sent once)."""
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, t in state_dict.items():
+        t = t.detach()
+        if t.data_ptr() in seen and t.numel():
+            continue
+        seen.add(t.data_ptr())
+        out[name] = t
+    return out
+
+
 def weights_to_numpy(state_dict: dict) -> dict[str, Any]:
     """A torch state dict -> {name: numpy array} for `ray.put` (tied duplicates dropped, bf16 as int16 bits)."""
     import torch
 
     out: dict[str, Any] = {}
-    seen: set[int] = set()
-    for name, t in state_dict.items():
-        t = t.detach().cpu().contiguous()
-        if t.data_ptr() in seen and t.numel():  # tied weights (lm_head = embed_tokens): send once
-            continue
-        seen.add(t.data_ptr())
+    for name, t in distinct(state_dict).items():
+        t = t.cpu().contiguous()
         if t.dtype == torch.bfloat16:
             out[name + BF16_TAG] = t.view(torch.int16).numpy()
         else:
@@ -67,12 +76,16 @@ def weights_to_numpy(state_dict: dict) -> dict[str, Any]:
 
 
 def numpy_to_tensors(weights: dict[str, Any]):
-    """{name: numpy array} -> iterator of (name, tensor) sharing the arrays' memory (no copy)."""
+    """{name: numpy array} -> iterator of (name, tensor) sharing the arrays' memory (no copy). Tensors pass
+    through as they are: a colocated rank hands its engine the trainer's own state dict (same process)."""
     import warnings
 
     import torch
 
     for name, arr in weights.items():
+        if isinstance(arr, torch.Tensor):
+            yield name, arr
+            continue
         with warnings.catch_warnings():  # object-store arrays are read-only; vLLM only reads them
             warnings.simplefilter("ignore", UserWarning)
             t = torch.from_numpy(arr)
@@ -144,11 +157,16 @@ class EngineSpec:
     num_cpus: float = 1.0
     env: dict[str, str] = field(default_factory=dict)
     storage: Any = None  # the run's pipeline.run_storage.RunStorage, for an engine that pulls its model (None: local)
+    # "uni": an engine actor of its own; "external_launcher": an engine inside a training rank (the colocated
+    # layout, stages/ppo/colocated.py), which joins the rank's torch process group as TRL's colocate mode does
+    backend: str = "uni"
+    sleep_mode: bool = False  # inside a rank on a GPU: release the engine's memory while the rank trains
 
     def runtime_env(self) -> dict:
         # Read by vLLM at import and engine start, so they must be in the actor's environment.
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gb))),
-               "TOKENIZERS_PARALLELISM": "false", **self.env}
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false", **self.env}
+        if self.backend == "uni":  # inside a rank, llm_kwargs sizes it in bytes (vLLM's CPU platform lets this win)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.kv_cache_gb)))
         if not self.gpu and "LD_PRELOAD" not in env and tcmalloc():
             # vLLM's CPU backend asks for tcmalloc: 2.25x -> 2.78x HF generate's tokens/s at 33.7M parameters
             # (bench/RESULTS.md, rollouts). Ray starts the actor's process with this environment.
@@ -163,8 +181,34 @@ def tcmalloc() -> str | None:
     return ctypes.util.find_library("tcmalloc_minimal")
 
 
+def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
+    """vLLM's `LLM(...)` arguments for one engine: what the device and the layout decide (tested without vLLM).
+
+    - On CPU: eager execution, and no chunked prefill: a request split by chunked prefill has its sampled token
+      discarded, and vLLM then rewinds the request's seeded generator, which a CPU generator cannot do ("CPU
+      Generator does not use offset"); every seeded batch larger than the token budget (the held-out
+      evaluation) failed. Whole prompts per step avoid the rewind.
+    - Inside a training rank (`backend` external_launcher): on CPU the KV cache is sized in bytes here, not by
+      the environment's whole GiB, since the trainer shares the process's memory; on a GPU `sleep_mode` lets
+      the engine release its weights and cache while the rank trains, and `gpu_memory_utilization` is the
+      share of the rank's GPU the engine may take.
+    """
+    kwargs = dict(model=model, dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
+                  distributed_executor_backend=spec.backend, enforce_eager=not spec.gpu,
+                  gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
+                  enable_prefix_caching=True, load_format="safetensors",  # never pickle weights (they can run code)
+                  enable_chunked_prefill=spec.gpu)
+    if spec.backend == "external_launcher":
+        if spec.gpu:
+            kwargs["enable_sleep_mode"] = spec.sleep_mode
+        else:
+            kwargs["kv_cache_memory_bytes"] = int(spec.kv_cache_gb * 2**30)
+    return kwargs
+
+
 class RolloutEngine:
-    """One vLLM engine in a Ray actor: generates token ids, loads synced weights."""
+    """One vLLM engine: generates token ids, loads synced weights. A Ray actor of its own (`EnginePool`), or an
+    object inside a colocated training rank (stages/ppo/colocated.py)."""
 
     def __init__(self, model_dir: str, spec: EngineSpec, index: int):
         born = time.time()
@@ -179,23 +223,19 @@ class RolloutEngine:
 
         imported = time.time()
 
-        if not spec.gpu:
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+        if not spec.gpu and spec.backend == "uni":
             # One engine per logical CPU slot; let its matmuls use the cores Ray gave it.
             torch.set_num_threads(max(1, int(spec.num_cpus)))
+            threads = torch.get_num_threads()
         self.index, self.version = index, 0  # version: policy updates in the loaded weights (0: the model's own)
-        self.llm = LLM(
-            # pulled from the object store if this node lacks it
-            model=str(spec.storage.localize(model_dir) if spec.storage is not None else model_dir),
-            dtype=spec.dtype, seed=spec.seed + index, max_model_len=spec.max_model_len,
-            distributed_executor_backend="uni", enforce_eager=not spec.gpu,
-            gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
-            enable_prefix_caching=True, load_format="safetensors",  # never pickle weights (they can run code)
-            # On CPU, a request split by chunked prefill has its sampled token discarded, and vLLM
-            # then rewinds the request's seeded generator, which a CPU generator cannot do
-            # ("CPU Generator does not use offset"): every seeded batch larger than the token
-            # budget (the held-out evaluation) failed. Whole prompts per step avoid the rewind.
-            enable_chunked_prefill=spec.gpu,
-        )
+        self.llm = LLM(**llm_kwargs(str(spec.storage.localize(model_dir) if spec.storage is not None else model_dir),
+                                    spec, index))
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide by a function that only warns: a trainer in
+        # the same process (the colocated layout) could no longer set its threads. The original comes back, with
+        # the count the process had.
+        torch.set_num_threads = set_threads
+        set_threads(threads)
         self.startup = {"born": born, "imports": imported - born, "engine": time.time() - imported}
 
     def timings(self) -> dict[str, float]:

@@ -19,6 +19,7 @@ What the loop stands on is in the package beside it, one concern per module:
 
     __init__.py    this loop and its checkpoints   config.py      the typed config (PPOConfig) and its hooks
     roles.py       set-up: every role and engine starts at once (`start`); `Session.close` ends them
+    colocated.py   `layout: colocated`: one actor per policy rank holds every role and its own engine
     rollouts.py    generation requests: `request` launches, `collect` waits (with `rollout.async` the next
                    iteration's request goes out before this one trains, one-step off-policy, and
                    `staleness` is checked and logged); `fill` is dynamic sampling
@@ -32,7 +33,7 @@ The scoring passes (reward model, reference, old policy, critic) are issued toge
 
 After every update the policy's full weights go into the object store once and every engine
 loads them from there (zero-copy on the same node), so rollouts always come from the current
-policy. The critic-free algorithms drop the critic: `grpo`, `rloo` and `dr_grpo` use baselines
+policy; in the colocated layout each rank's engine loads its trainer's tensors in place. The critic-free algorithms drop the critic: `grpo`, `rloo` and `dr_grpo` use baselines
 from the other `sampling.n` samples of each prompt (KL to the reference in the loss),
 `reinforce_pp` whitens per-token returns over the batch (KL in the reward); `advantages()` picks
 the estimator. The engines return the log-probs of the tokens they sample; their gap to the
@@ -133,7 +134,7 @@ def _resume(s: Session, ctx: StageContext, kl_ctl) -> tuple[int, dict]:
     kl_ctl.value = state["kl_coef"]
     if s.moments is not None and state.get("moments"):
         s.moments.count, s.moments.mean, s.moments.m2 = state["moments"]
-    s.pool.sync(s.role("policy").get("export_weights")[0][0], version=state["iteration"] + 1)
+    s.sync_weights(state["iteration"] + 1)
     ctx.progress(f"resumed from the checkpoint of iteration {state['iteration']}")
     return state["iteration"] + 1, {"curve": []} | state.get("trend", {"reward": [], "kl": []})
 
@@ -152,13 +153,31 @@ def configured_code(cfg: PPOConfig) -> list[str]:
 
 
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
-    """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model."""
+    """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model.
+
+    In the colocated layout a rank that dies takes its training state with it (`RankLost`): every rank is
+    started again and the run resumes from the last checkpoint, up to MAX_RANK_RESTARTS times."""
+    from stages.ppo.colocated import MAX_RANK_RESTARTS, rank_lost
+
+    for attempt in range(MAX_RANK_RESTARTS + 1):
+        try:
+            return _run(cfg, ctx, drills=attempt == 0)  # a fault drill fires once, not again after the restart
+        except Exception as exc:
+            if not rank_lost(cfg.layout, exc) or attempt == MAX_RANK_RESTARTS:
+                raise
+            ctx.log_metrics({"rank_restarts": attempt + 1})
+            ctx.progress(f"a colocated rank died ({type(exc).__name__}): starting the ranks again and resuming from "
+                         f"the last checkpoint (restart {attempt + 1} of at most {MAX_RANK_RESTARTS})")
+    raise AssertionError("unreachable")
+
+
+def _run(cfg: PPOConfig, ctx: StageContext, drills: bool) -> dict[str, Path]:
     from pipeline.events import StartupClock
 
     clock = StartupClock()  # stage start -> the first iteration, and where it went
     s = start(cfg, ctx, clock)
     try:
-        loop = _begin(s, cfg, ctx, clock)  # the SFT policy's held-out answers, a resumed run's state
+        loop = _begin(s, cfg, ctx, clock, drills)  # the SFT policy's held-out answers, a resumed run's state
         nxt = request(s, cfg, loop.seed, loop.start, loop.fault_at)
         for it in range(loop.start, cfg.iterations):
             if cfg.eval_every and it % cfg.eval_every == 0:  # the over-optimisation curve, before update `it`
@@ -236,7 +255,7 @@ class _Scored:
     dynamic: dict  # dynamic sampling's and distillation's metrics (empty without them)
 
 
-def _begin(s: Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
+def _begin(s: Session, cfg: PPOConfig, ctx: StageContext, clock, drills: bool = True) -> _Loop:
     """The SFT policy on the held-out prompts (with a gold preference, each sampled answer's gold
     score too), then the KL controller and the state of a resumed run."""
     from stages.ppo import rl
@@ -257,7 +276,7 @@ def _begin(s: Session, cfg: PPOConfig, ctx: StageContext, clock) -> _Loop:
           **cfg.objective()}
     ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
     return _Loop(ref, ref_call, hp, kl_ctl, start, trend, before, ctx.pipeline.seed,
-                 int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1")),
+                 int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1")) if drills else -1,
                  int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0")), clock)
 
 
@@ -334,10 +353,9 @@ def _train(s: Session, loop: _Loop, batch: dict) -> dict:
 
 
 def _sync(s: Session, it: int) -> dict:
-    """Step 7.: one put of the new weights, every engine loads them; the timings and size."""
+    """Step 7.: the new weights into every engine (`Session.sync_weights`); the timings and size."""
     t0 = time.time()
-    weights_ref, sync_bytes = s.role("policy").get("export_weights")[0]
-    load_s = s.pool.sync(weights_ref, version=it + 1)
+    load_s, sync_bytes = s.sync_weights(it + 1)
     return {"sync_s": time.time() - t0, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20}
 
 

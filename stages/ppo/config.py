@@ -100,6 +100,11 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's memory fraction (of CPU memory on CPU).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "SPREAD", description="Ray placement strategy of the engines' bundles.")
+    sleep_mode: bool = Field(False, description="layout colocated on GPUs: each rank's engine releases its weights "
+                             "and KV cache (vLLM's sleep mode, level 1) while the rank trains and takes them back "
+                             "before it generates, so trainer and engine share the rank's GPU; "
+                             "gpu_memory_utilization is then the engine's share of that GPU while it is awake. "
+                             "Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""
@@ -350,6 +355,11 @@ class PPOConfig(Section):
     environment: EnvironmentConfig | None = Field(None, description="Multi-turn rollouts with tools or an "
                                                   "environment (empty: one prompt -> one completion). The rule "
                                                   "reward and the held-out evaluation read the last assistant turn.")
+    layout: Literal["colocated", "separate"] = Field(
+        "separate", description="'colocated': one Ray actor per policy rank holds the policy, its own vLLM engine "
+        "(in process; weights loaded in place), the frozen roles and the critic; the roles take turns and follow "
+        "policy.num_ranks, one engine per rank (rollout.sleep_mode on GPUs); not with rollout.async or an "
+        "environment. 'separate': every role on ranks of its own, engines as actors of their own (docs/rl.md, Layouts).")
     policy: TrainedRole = Field(default_factory=lambda: TrainedRole(num_ranks=2), description="The policy role.")
     critic: TrainedRole = Field(default_factory=lambda: TrainedRole(lr=1e-4), description="The critic role (PPO).")
     reference: ReferenceRole = Field(default_factory=ReferenceRole, description="The frozen reference role.")
@@ -404,11 +414,16 @@ class PPOConfig(Section):
                              "one turn's cap; raise it")
         roles = [("policy", self.policy)] + ([("critic", self.critic)] if self.algorithm == "ppo" else [])
         for name, role in roles:
-            per_step = self.micro_batch_size * role.num_ranks
+            per_step = self.micro_batch_size * self.ranks(role)
             if self.mini_batch_size % per_step:
                 raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size x "
-                                 f"{name}.num_ranks ({self.micro_batch_size} x {role.num_ranks} = {per_step})")
+                                 f"{name}.num_ranks ({self.micro_batch_size} x {self.ranks(role)} = {per_step})")
+        _fits_layout(self)
         return self
+
+    def ranks(self, role) -> int:
+        """A role's ranks: its own, or the policy's in the colocated layout (every role sits in each policy rank)."""
+        return self.policy.num_ranks if self.layout == "colocated" else role.num_ranks
 
     def objective(self) -> dict:
         """The policy loss's settings (`losses.policy_loss`'s keywords), defaults resolved."""
@@ -423,11 +438,40 @@ class PPOConfig(Section):
 
     def cpus_needed(self) -> float:
         """Logical CPUs the stage reserves at once (every rank and engine holds one bundle of its CPUs)."""
+        if self.layout == "colocated":  # the policy ranks hold everything
+            return self.policy.num_ranks * self.policy.cpus_per_rank
         roles = [self.policy] + ([] if self.policy.lora or self.reference.colocate else [self.reference])
         roles += [self.critic] if self.algorithm == "ppo" else []
         roles += [self.reward] if self.rewards.model_weight else []
         roles += [self.distill.role] if self.distill else []
         return sum(r.num_ranks * r.cpus_per_rank for r in roles) + self.rollout.num_engines * self.rollout.cpus_per_engine
+
+
+def _fits_layout(cfg: PPOConfig) -> None:
+    """What the colocated layout cannot do, refused with the reason and the fix (docs/architecture.md)."""
+    if cfg.layout == "separate" and cfg.rollout.sleep_mode:
+        raise ValueError("rollout.sleep_mode: an engine of its own (layout separate) has no trainer to give its "
+                         "memory to; set stages.ppo.layout: colocated, or remove rollout.sleep_mode")
+    if cfg.layout == "separate":
+        return
+    fix = "or set stages.ppo.layout: separate"
+    if cfg.rollout.async_:
+        raise ValueError("rollout.async: in layout colocated a rank's engine and trainer share one process and take "
+                         f"turns, so generation cannot overlap training; set rollout.async: false, {fix}")
+    if cfg.environment:
+        raise ValueError("environment: an environment runs your code beside the engine, and one that holds the "
+                         "interpreter is ended by killing the engine's process, which in layout colocated is a "
+                         f"policy rank (its training state with it); {fix}")
+    n = cfg.policy.num_ranks
+    given = [("rollout.num_engines", cfg.rollout.num_engines)] if "num_engines" in cfg.rollout.model_fields_set else []
+    used = [("critic", cfg.critic)] * (cfg.algorithm == "ppo") + [("reference", cfg.reference)] \
+        + [("reward", cfg.reward)] * bool(cfg.rewards.model_weight) \
+        + ([("distill.role", cfg.distill.role)] if cfg.distill else [])
+    given += [(f"{name}.num_ranks", role.num_ranks) for name, role in used if "num_ranks" in role.model_fields_set]
+    for key, value in given:
+        if value != n:
+            raise ValueError(f"{key}: {value}, but in layout colocated every role and one engine sit in each of the "
+                             f"policy's {n} ranks; remove {key} (or set it to {n}), {fix}")
 
 
 def check(pipeline_cfg) -> None:

@@ -45,6 +45,15 @@ class Session:
     def role(self, name: str):
         return self.groups.get(name)
 
+    def sync_weights(self, version: int) -> tuple[float, int]:
+        """The policy's current weights into every engine, tagged `version`: (the slowest load's seconds, bytes).
+        Separate layout: one put into the object store that every engine loads; colocated: each rank's engine
+        loads its trainer's tensors in place (stages/ppo/colocated.py)."""
+        if hasattr(self.pool, "sync_in_place"):
+            return self.pool.sync_in_place(version)
+        weights_ref, nbytes = self.role("policy").get("export_weights")[0]
+        return self.pool.sync(weights_ref, version=version), nbytes
+
     def close(self) -> None:
         for scorer in {id(x): x for x in (self.rule, self.verify)}.values():  # their Ray workers, if any
             if hasattr(scorer, "close"):
@@ -84,25 +93,34 @@ def _check_cluster(cfg: PPOConfig) -> None:
                         "ranks, or a larger cluster (ray.num_cpus for a local one)")
 
 
-def start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
-                pad_id: int, seed: int, run_storage):
-    """A ModelGroup of PPOWorker ranks holding `model_dir` as `kind`; returns (group, setup refs)."""
-    from stages.common.deepspeed import device_env, engine_config, use_bf16
-    from stages.ppo.groups import ModelGroup
-    from stages.ppo.worker import PPOWorker
+def role_spec(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool, pad_id: int,
+              seed: int, run_storage) -> dict:
+    """What a PPOWorker rank of `role` sets up with (`PPOWorker.setup`): its model, DeepSpeed config and LoRA."""
+    from stages.common.deepspeed import engine_config, use_bf16
 
     bf16 = use_bf16(role.deepspeed, gpu)
     ds_config = engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16, cfg.mini_batch_size,
                               role.lr, role.weight_decay, role.grad_clip) if trainable \
         else engine_config(role.deepspeed, cfg.micro_batch_size, role.num_ranks, bf16)  # no optimizer
-    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu, cfg.placement_strategy,
-                       env=device_env(gpu), wait=False)
-    spec = {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
+    # the policy's ranks also hold the frozen reference (reference.colocate, or the colocated layout; not LoRA's)
+    in_rank = name == "policy" and (cfg.reference.colocate or cfg.layout == "colocated") and not role.lora
+    return {"role": name, "kind": kind, "model_dir": str(model_dir), "trainable": trainable, "pad_id": pad_id,
             "seed": seed, "storage": run_storage, "activation_checkpointing": role.deepspeed.activation_checkpointing,
             "zero_head": kind == "value" and cfg.critic_zero_init, "ds_config": ds_config,
             "lora": role.lora.model_dump(mode="json") if trainable and role.lora else None,
-            # the policy's ranks also hold the frozen reference (reference.colocate, full fine-tuning)
-            "reference_dir": str(model_dir) if name == "policy" and cfg.reference.colocate and not role.lora else None}
+            "reference_dir": str(model_dir) if in_rank else None}
+
+
+def start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
+               pad_id: int, seed: int, run_storage):
+    """A ModelGroup of PPOWorker ranks holding `model_dir` as `kind`; returns (group, setup refs)."""
+    from stages.common.deepspeed import device_env
+    from stages.ppo.groups import ModelGroup
+    from stages.ppo.worker import PPOWorker
+
+    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu, cfg.placement_strategy,
+                       env=device_env(gpu), wait=False)
+    spec = role_spec(name, role, kind, model_dir, cfg, trainable, gpu, pad_id, seed, run_storage)
     return group, group.run("setup", spec)
 
 
@@ -154,14 +172,17 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
     gpu, seed, ppo = use_gpu(), ctx.pipeline.seed, cfg.algorithm == "ppo"
     _check_cluster(cfg)
     lora_ref = cfg.policy.lora is not None  # the reference is the LoRA policy with its adapter off
-    in_policy = lora_ref or cfg.reference.colocate  # no reference ranks of its own
-    critic_note = f", critic x{cfg.critic.num_ranks}{describe(cfg.critic.lora)}" if ppo else ""
+    colocated = cfg.layout == "colocated"
+    in_policy = lora_ref or cfg.reference.colocate or colocated  # no reference ranks of its own
+    critic_note = f", critic x{cfg.ranks(cfg.critic)}{describe(cfg.critic.lora)}" if ppo else ""
     ref_note = "reference: the policy without its adapter" if lora_ref else \
         "reference: a copy in each policy rank" if in_policy else f"reference x{cfg.reference.num_ranks}"
-    ctx.progress(f"starting {cfg.rollout.num_engines} vLLM engines and the roles (policy x{cfg.policy.num_ranks}"
-                 f"{describe(cfg.policy.lora)}{critic_note}, {ref_note}"
-                 f"{f', reward x{cfg.reward.num_ranks}' if cfg.rewards.model_weight else ''}"
-                 f"{f', teacher x{cfg.distill.role.num_ranks}' if cfg.distill else ''})")
+    roles_note = (f"policy x{cfg.policy.num_ranks}{describe(cfg.policy.lora)}{critic_note}, {ref_note}"
+                  f"{f', reward x{cfg.ranks(cfg.reward)}' if cfg.rewards.model_weight else ''}"
+                  f"{f', teacher x{cfg.ranks(cfg.distill.role)}' if cfg.distill else ''}")
+    ctx.progress(f"starting {cfg.policy.num_ranks} colocated ranks, each with its vLLM engine and every role "
+                 f"({roles_note})" if colocated else
+                 f"starting {cfg.rollout.num_engines} vLLM engines and the roles ({roles_note})")
     heads = saved_heads(rm_dir) if cfg.rewards.model_weight else 1  # the driver holds its inputs
     if heads > 1 or cfg.rewards.ensemble != "mean" and cfg.rewards.model_weight:
         ctx.progress(f"reward model: {heads} score head(s), combined by {cfg.rewards.ensemble}"
@@ -182,17 +203,26 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         # Everything starts at once (roles and engines load their models concurrently): nothing blocks
         # until every placement group is requested and every actor created.
         requested = time.time()
-        s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
-                            **({"engine_cls": _agent_engine()} if s.episode else {}))
-        pending = {}
-        for name, role, kind, model_dir, trainable in roles:
-            s.groups[name], pending[name] = start_role(name, role, kind, model_dir, cfg, trainable, gpu,
-                                                        s.tok.pad_token_id, seed, ctx.storage)
+        if colocated:  # one actor per policy rank holds every role and an engine (stages/ppo/colocated.py)
+            from stages.ppo.colocated import start_ranks
+
+            n = cfg.policy.num_ranks  # every role on the policy's ranks: their DeepSpeed configs for that many
+            specs = {name: role_spec(name, role.model_copy(update={"num_ranks": n}), kind, path, cfg, trainable, gpu,
+                                     s.tok.pad_token_id, seed, ctx.storage) for name, role, kind, path, trainable in roles}
+            pending = {"ranks": start_ranks(s, cfg, specs, sft, spec, gpu)}
+        else:
+            s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
+                                **({"engine_cls": _agent_engine()} if s.episode else {}))
+            pending = {}
+            for name, role, kind, model_dir, trainable in roles:
+                s.groups[name], pending[name] = start_role(name, role, kind, model_dir, cfg, trainable, gpu,
+                                                            s.tok.pad_token_id, seed, ctx.storage)
         s.trained = {name: s.groups[name] for name, *_, trainable in roles if trainable}
         ray.get([g.pg.ready() for g in s.groups.values()], timeout=300)  # a clear error if resources never come
         ray.get([r for g in s.groups.values() for r in g.ready_refs])  # process groups joined
         params = {name: ray.get(refs)[0] for name, refs in pending.items()}  # models loaded
-        clock.mark("roles")
+        params = params.pop("ranks", params)  # the colocated ranks report every role's
+        clock.mark("roles")  # with the colocated layout, the engines too (they are built in the ranks)
         s.pool.ready()
         clock.mark("engines")  # what the engines took beyond the roles (they started together)
         _startup_details(s, clock, requested)
@@ -222,7 +252,12 @@ def _startup_details(s: Session, clock, requested: float) -> None:
     reported (imports, model load, DeepSpeed or vLLM initialisation)."""
     import ray
 
-    actors = {name: g.actors for name, g in s.groups.items()} | {"engine": s.pool.engines}
+    from stages.ppo.colocated import RankEngines
+
+    if isinstance(s.pool, RankEngines):  # the policy's ranks are the only processes
+        actors = {"rank": s.role("policy").actors}
+    else:
+        actors = {name: g.actors for name, g in s.groups.items()} | {"engine": s.pool.engines}
     clock.processes = sum(len(group) for group in actors.values())
     timings = {name: ray.get([a.timings.remote() for a in group]) for name, group in actors.items()}
     for name, ranks in timings.items():

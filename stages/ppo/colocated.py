@@ -1,0 +1,227 @@
+"""The colocated layout (`stages.ppo.layout: colocated`): one Ray actor per policy rank, holding every role.
+
+    rank r (one process) = policy (DeepSpeed) + critic (DeepSpeed, PPO) + reference, reward model, teacher
+                           (plain modules) + a vLLM engine (in process) generating rank r's share of the batch
+
+Why: in the separate layout the stage starts a process per rank of every role and one per engine, and on a
+small machine each pays for importing torch, DeepSpeed and vLLM before any work (docs/startup.md). The peers
+that run RL at scale keep one process per rank: TRL's GRPOTrainer builds its engine inside the training process
+(`vllm_mode="colocate"`, `distributed_executor_backend="external_launcher"`), verl fuses the roles sharing a
+device into one actor per device. Here the engine joins the rank's own torch process group as TRL's does, and
+new weights reach it in place (`ColocatedRank.sync_engine`): the trainer's tensors are handed to the engine's
+`load_weights` in the same process, with no serialisation and no Ray object between them.
+
+The loop in `stages/ppo/__init__.py` does not know which layout it drives: `RoleView` makes each role of the
+ranks answer as a `ModelGroup` does (`run`, `run_each`, `get`), and `RankEngines` makes the ranks' engines
+answer as an `EnginePool` does (`engines`, `sync`, `kill`, `retrying`). What the layout cannot do it refuses
+at validation (`config._fits_layout`): `rollout.async` (one process cannot generate while it trains) and
+environments (a stalled environment is ended by killing the engine's process, here a policy rank).
+
+A rank that dies takes its engine and its training state with it; nothing can be restarted in place, so
+`RankLost` ends the attempt and the stage starts its ranks again from the last checkpoint (`run`'s retry).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from stages.ppo.worker import PPOWorker
+
+MAX_RANK_RESTARTS = 2  # a rank that dies again and again is a bug to report, not to retry forever
+
+
+class RankLost(RuntimeError):
+    """A colocated rank died (its engine, or its trainer): the stage restarts every rank from the last checkpoint."""
+
+
+def rank_lost(layout: str, exc: BaseException) -> bool:
+    """Whether `exc` means a colocated rank died: `RankLost`, or any call on a dead rank (a checkpoint's save,
+    a scoring pass) in the colocated layout. In the separate layout a dead role rank stays an error."""
+    import ray
+
+    return isinstance(exc, RankLost) or layout == "colocated" and isinstance(exc, ray.exceptions.RayActorError)
+
+
+class ColocatedRank(PPOWorker):
+    """One policy rank holding every role of the stage and its own vLLM engine (see the module docstring).
+
+    The policy is this worker itself; the other roles are `PPOWorker` objects in the same process (`call`). One
+    call queue: the roles and the engine take turns, in the order the driver sends their calls, so collectives
+    under ZeRO-3 meet in the same order on every rank."""
+
+    CONCURRENCY_GROUPS = None  # PPOWorker's generate group would let generation run beside training
+
+    def setup_rank(self, specs: dict[str, dict], model_dir: str, engine) -> dict[str, int]:
+        """Build the roles (`specs`: role -> PPOWorker.setup spec, the policy's first), then the engine
+        (`engine`: an EngineSpec with backend external_launcher). Returns each role's parameter count."""
+        from stages.common.engines import RolloutEngine
+
+        params = {"policy": self.setup(specs["policy"])}
+        self.roles: dict[str, PPOWorker] = {"policy": self}
+        t0 = time.time()
+        for name, spec in specs.items():
+            if name != "policy":
+                self.roles[name] = PPOWorker(name, self.rank, self.world, {})
+                params[name] = self.roles[name].setup(spec)
+        t1 = time.time()
+        self.rollout = RolloutEngine(model_dir, engine, self.rank)
+        self.sleeps = engine.gpu and engine.sleep_mode  # vLLM's CPU worker has no sleep mode
+        if self.sleeps:
+            self.rollout.llm.sleep(level=1)  # until the first generation: the roles train on the GPU meanwhile
+        self.startup.update(roles=t1 - t0, engine=time.time() - t1)
+        return params
+
+    def ping(self) -> int:
+        """What `kill_engine` waits on (it answers while the rank, and so its engine, lives)."""
+        import os
+
+        return os.getpid()
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any):
+        """`method` of this rank's `role` (RoleView's calls)."""
+        return getattr(self.roles[role], method)(*args, **kwargs)
+
+    # --------------------------------------------------------------- the rank's engine
+
+    def generate(self, prompt_ids: list[list[int]], engines: list, sampling: dict, rows: list[dict] | None = None,
+                 episode=None) -> list[list[dict]]:
+        """This rank's share of the prompts, on its own engine (`engines`, the separate layout's, are unused)."""
+        return self.engine_generate(prompt_ids, sampling)
+
+    def engine_generate(self, prompt_ids: list[list[int]], sampling: dict) -> list[list[dict]]:
+        """RolloutEngine.generate on this rank's engine (woken for it with sleep mode)."""
+        if self.sleeps:
+            self.rollout.llm.wake_up()
+        try:
+            return self.rollout.generate(prompt_ids, sampling)
+        finally:
+            if self.sleeps:
+                self.rollout.llm.sleep(level=1)
+
+    def sync_engine(self, version: int) -> tuple[float, int]:
+        """The policy's current weights into this rank's engine, in place; (seconds, bytes handed over).
+
+        Under ZeRO-3 every rank gathers the full weights (a collective) and loads its own engine; otherwise each
+        rank already holds them. A LoRA policy's adapter is merged first (`merged_state_dict`), base untouched."""
+        import deepspeed
+
+        from stages.common.engines import distinct
+        from stages.common.lora import merged_state_dict
+
+        t0 = time.time()
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.engine.zero_optimization_stage() == 3):
+            weights = distinct(merged_state_dict(self.engine.module))
+            if self.sleeps:
+                self.rollout.llm.wake_up(tags=["weights"])
+            try:
+                self.rollout.load_weights(weights, version)
+            finally:
+                if self.sleeps:
+                    self.rollout.llm.sleep(level=1)
+        return time.time() - t0, sum(t.numel() * t.element_size() for t in weights.values())
+
+
+class RoleView:
+    """One role of the colocated ranks, called as a `ModelGroup` is: rank r's call goes to its `role` object."""
+
+    def __init__(self, ranks, role: str):
+        self.ranks, self.name, self.pg, self.ready_refs = ranks, role, ranks.pg, []
+
+    @property
+    def actors(self) -> list:
+        return self.ranks.actors
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list:
+        return [a.call.remote(self.name, method, *args, **kwargs) for a in self.actors]
+
+    def run_each(self, method: str, per_rank: list, **kwargs: Any) -> list:
+        if len(per_rank) != len(self.actors):
+            raise ValueError(f"{self.name}: {len(per_rank)} shards for {len(self.actors)} ranks")
+        return [a.call.remote(self.name, method, x, **kwargs) for a, x in zip(self.actors, per_rank)]
+
+    def get(self, method: str, *args: Any, **kwargs: Any) -> list:
+        import ray
+
+        return ray.get(self.run(method, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Nothing of its own: the ranks' group ends the actors."""
+
+
+class _RankEngine:
+    """A rank's engine addressed as an engine actor is (`generate.remote(prompt_ids, sampling)`, `ping.remote()`),
+    for the held-out evaluation, which shards its prompts over `pool.engines`."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    @property
+    def generate(self):
+        return self.actor.engine_generate
+
+    @property
+    def ping(self):
+        return self.actor.ping
+
+
+class RankEngines:
+    """The engines inside the colocated ranks, as the loop and the evaluation use an `EnginePool`."""
+
+    def __init__(self, ranks):
+        self.ranks, self.restarts = ranks, 0
+        self.engines = [_RankEngine(a) for a in ranks.actors]
+
+    def ready(self) -> None:
+        """Nothing to wait for: the engines were built in the ranks' setup."""
+
+    def sync_in_place(self, version: int) -> tuple[float, int]:
+        """Every rank loads its policy's weights into its engine; (the slowest rank's seconds, bytes per rank)."""
+        import ray
+
+        try:
+            done = ray.get([a.sync_engine.remote(version) for a in self.ranks.actors])
+        except ray.exceptions.RayActorError as exc:
+            raise RankLost(f"a colocated rank died during the weight sync ({type(exc).__name__})") from exc
+        return max(s for s, _ in done), done[0][1]
+
+    def kill(self, index: int, timeout: float = 60) -> None:
+        """Fault drills: kill rank `index` (its engine lives in it) and return once Ray reports it dead."""
+        from stages.common.engines import kill_engine
+
+        kill_engine(self.ranks.actors[index], timeout)
+
+    def retrying(self, call, say=print, attempts: int = 3, since: int | None = None):
+        """`call()`; a rank that died under it ends the attempt (`RankLost`): its training state went with it."""
+        import ray
+
+        try:
+            return call()
+        except ray.exceptions.RayActorError as exc:
+            raise RankLost(f"a colocated rank died while generating ({type(exc).__name__})") from exc
+
+    def shutdown(self) -> None:
+        """Nothing of its own: the ranks' group ends the actors."""
+
+
+def start_ranks(s, cfg, specs: dict[str, dict], model_dir, engine, gpu: bool):
+    """The colocated ranks: one actor per policy rank, set up with every role's spec (`specs`: role ->
+    `roles.role_spec`, their DeepSpeed configs for the policy's rank count) and the engine's; fills the session's
+    groups (the policy: the ranks themselves; the others: `RoleView`s) and pool. Returns the ranks' setup refs."""
+    from dataclasses import replace
+
+    from stages.common.deepspeed import device_env
+    from stages.ppo.groups import ModelGroup
+
+    engine = replace(engine, backend="external_launcher", sleep_mode=cfg.rollout.sleep_mode)
+    # Ray starts each rank with the engine's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0, tcmalloc on CPU):
+    # vLLM reads it at import, in the rank's process.
+    ranks = ModelGroup("policy", ColocatedRank, cfg.policy.num_ranks, cfg.policy.cpus_per_rank, gpu,
+                       cfg.placement_strategy, env=device_env(gpu), runtime_env=engine.runtime_env(), wait=False)
+    s.groups = {name: ranks if name == "policy" else RoleView(ranks, name) for name in specs}
+    s.pool = RankEngines(ranks)
+    return ranks.run("setup_rank", specs, str(model_dir), engine)
