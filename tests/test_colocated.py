@@ -203,6 +203,7 @@ def layouts(smoke_trained, tmp_path_factory, ray_local, tracking_uri):
     return {"separate": separate, "colocated": colocated}
 
 
+@pytest.mark.slow
 @pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py", "stages/common/lora.py"))
 def test_both_layouts_give_the_same_first_iteration_on_one_seed(layouts, tracking_uri):
     (_, sep), (_, col) = layouts["separate"], layouts["colocated"]
@@ -213,6 +214,7 @@ def test_both_layouts_give_the_same_first_iteration_on_one_seed(layouts, trackin
     assert _metrics(tracking_uri, col, "logprob_mismatch_max")[1] < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py"))
 def test_the_colocated_layout_starts_one_process_per_policy_rank(layouts, tracking_uri):
     for layout, (cfg, run_id) in layouts.items():
@@ -222,6 +224,7 @@ def test_the_colocated_layout_starts_one_process_per_policy_rank(layouts, tracki
         assert _metrics(tracking_uri, run_id, "startup_processes")[1] == expected, layout
 
 
+@pytest.mark.slow
 @pytest.mark.tier("faults", covers=("stages/ppo/", "stages/common/engines.py"))
 def test_a_killed_colocated_rank_is_started_again_and_the_run_resumes(layouts, tracking_uri):
     _, run_id = layouts["colocated"]
