@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/workers.py --json bench/workers.json
     .venv/bin/python bench/workers.py --stages sft --repeats 2
+    .venv/bin/python bench/workers.py --stages dpo        # the DPO recipe's dpo stage (configs/recipes/dpo.yaml)
 
 Issue 60 asks the default's worker count to be chosen by measuring both on the default. Per stage and
 repeat, each variant runs the whole stage as the default configures it (`pipeline run configs/full.yaml
@@ -26,17 +27,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from startup import DEFAULT, ROOT, finish, pipeline  # noqa: E402  (bench/startup.py: a run, a bench's close)
+from startup import DEFAULT, DPO, ROOT, finish, pipeline  # noqa: E402  (bench/startup.py: a run, a bench's close)
+
+CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "dpo": DPO}  # dpo: the recipe's (the default has no dpo stage)
 
 VARIANTS = {"group2": "2 workers, Ray Train's worker group", "local1": "1 worker, in the driver"}
-LEARNED = ("eval_loss", "accuracy", "eval_accuracy", "eval_accuracy_gold")
+LEARNED = ("eval_loss", "accuracy", "eval_accuracy", "eval_accuracy_gold", "eval_reward_accuracy")
 
 
 def overrides(stage: str, variant: str) -> list[str]:
     """The variant's settings for `stage`, the global batch as the default has it."""
     import yaml
 
-    section = yaml.safe_load(DEFAULT.read_text())["stages"][stage]
+    section = yaml.safe_load(CONFIG[stage].read_text())["stages"][stage]
     batch = section["batch_size"]
     if variant == "group2":
         return [f"stages.{stage}.num_workers=2", f"stages.{stage}.micro_batch_size={batch // 2}"]
@@ -45,7 +48,7 @@ def overrides(stage: str, variant: str) -> list[str]:
 
 def measure(stage: str, variant: str, run_dir: Path) -> dict:
     """One forced run of `stage` under `variant`; its figures from the manifest it wrote."""
-    summary = pipeline(DEFAULT, run_dir, "--only", stage, "--force", stage, *overrides(stage, variant))
+    summary = pipeline(CONFIG[stage], run_dir, "--only", stage, "--force", stage, *overrides(stage, variant))
     entry = next(s for s in summary["stages"] if s["name"] == stage)
     metrics = json.loads((Path(entry["artifact"]) / "manifest.json").read_text())["metrics"]
     return {"stage": stage, "variant": variant, "wall_s": entry["duration_s"], "startup_s": metrics.get("startup_s"),
@@ -67,20 +70,24 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stages", nargs="+", default=["sft", "reward"], choices=["sft", "reward"])
+    ap.add_argument("--stages", nargs="+", default=["sft", "reward"], choices=sorted(CONFIG))
     ap.add_argument("--repeats", type=int, default=1, help="A B pairs per stage; medians are reported")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "bench-workers")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args()
 
     t0 = time.time()
-    pipeline(DEFAULT, args.run_dir, "--to", "sft" if args.stages == ["sft"] else "reward")
+    if {"sft", "reward"} & set(args.stages):
+        pipeline(DEFAULT, args.run_dir, "--to", "reward" if "reward" in args.stages else "sft")
+    if "dpo" in args.stages:  # the recipe's model, data and SFT, in a run directory of its own
+        pipeline(DPO, args.run_dir / "dpo", "--to", "sft")
     rows = []
     for stage in args.stages:
         runs = {v: [] for v in VARIANTS}
+        run_dir = args.run_dir / "dpo" if stage == "dpo" else args.run_dir
         for _ in range(args.repeats):
             for variant in VARIANTS:
-                runs[variant].append(measure(stage, variant, args.run_dir))
+                runs[variant].append(measure(stage, variant, run_dir))
                 r = runs[variant][-1]
                 print(f"{stage} {variant}: {r['wall_s']:.1f}s wall, start-up {r['startup_s']:.1f}s, {r['learned']}",
                       file=sys.stderr, flush=True)
