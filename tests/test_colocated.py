@@ -192,12 +192,12 @@ def layouts(smoke_trained, tmp_path_factory, ray_local, tracking_uri):
     iterations, checkpointing each, with rank 0 killed when iteration 3's rollouts are requested."""
     run_dir = smoke_trained(tmp_path_factory.mktemp("layouts"))
     separate = _run(run_dir, tracking_uri, "stages.ppo.iterations=1", "stages.ppo.reward.num_ranks=2",
-                    "stages.ppo.reference.colocate=true")
+                    "stages.ppo.reference.colocate=true", "stages.ppo.eval_prompts=0")  # compared on iteration 1
     mp = pytest.MonkeyPatch()
     mp.setenv("PIPELINE_FAULT_KILL_ENGINE_AT", "2")
     try:
         colocated = _run(run_dir, tracking_uri, "stages.ppo.layout=colocated", "stages.ppo.iterations=3",
-                         "stages.ppo.checkpoint_every=1")
+                         "stages.ppo.checkpoint_every=1", "stages.ppo.eval_prompts=4")  # the ranks' engines evaluate
     finally:
         mp.undo()
     return {"separate": separate, "colocated": colocated}
@@ -232,3 +232,4 @@ def test_a_killed_colocated_rank_is_started_again_and_the_run_resumes(layouts, t
     # every iteration logged: the second before rank 0 died (its checkpoint failed) and again after the resume
     assert sorted(_metrics(tracking_uri, run_id, "reward_mean")) == [1, 2, 3]
     assert _metrics(tracking_uri, run_id, "engine_restarts")  # the run finished (its final metrics)
+    assert 0 <= _metrics(tracking_uri, run_id, "eval_accuracy")[3] <= 1  # held-out answers from the ranks' engines

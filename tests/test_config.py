@@ -24,8 +24,12 @@ def test_default_takes_the_rlhf_path():
     assert cfg.task.preference.gold == "explained" and 0.1 <= cfg.task.preference.noise <= 0.2
     ppo = cfg.stages.ppo
     assert ppo.rewards.model_weight > 0 and ppo.rewards.rule_weight > 0 and ppo.rewards.normalize
-    without_rm = ppo.model_copy(update={"rewards": ppo.rewards.model_copy(update={"model_weight": 0.0})})
-    assert ppo.cpus_needed() - without_rm.cpus_needed() == ppo.reward.num_ranks * ppo.reward.cpus_per_rank > 0
+    # the reward model is loaded: in the colocated layout inside each policy rank (no CPUs of its own), in the
+    # separate one on ranks of its own
+    assert ppo.layout == "colocated" and ppo.cpus_needed() == ppo.policy.num_ranks * ppo.policy.cpus_per_rank
+    separate = ppo.model_copy(update={"layout": "separate"})
+    without_rm = separate.model_copy(update={"rewards": ppo.rewards.model_copy(update={"model_weight": 0.0})})
+    assert separate.cpus_needed() - without_rm.cpus_needed() == ppo.reward.num_ranks * ppo.reward.cpus_per_rank > 0
     assert ppo.eval_every, "the over-optimisation curve (gold, proxy, KL) is logged during the run"
     verifier = load_config(ROOT / "configs" / "recipes" / "verifier.yaml")
     assert not verifier.task.preference.gold and verifier.stages.ppo.rewards.model_weight == 0
