@@ -54,7 +54,8 @@ LAYOUTS = {"ppo-separate": ["stages.ppo.layout=separate", "stages.ppo.critic.num
 SHORT |= {name: SHORT["ppo"] + overrides for name, overrides in LAYOUTS.items()}
 # Upstream of the measured stages, short (untimed).
 PREPARE = ["stages.sft.max_steps=2", "stages.sft.accuracy_prompts=0", "stages.reward.max_steps=2"]
-CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "ppo": DEFAULT, "dpo": DPO, "data": DEFAULT} | dict.fromkeys(LAYOUTS, DEFAULT)
+CONFIG = {"sft": DEFAULT, "reward": DEFAULT, "ppo": DEFAULT, "dpo": DPO, "data": DEFAULT}
+CONFIG |= dict.fromkeys(LAYOUTS, DEFAULT)
 
 
 def pipeline(config: Path, run_dir: Path, *args: str) -> dict:

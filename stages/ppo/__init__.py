@@ -33,8 +33,9 @@ The scoring passes (reward model, reference, old policy, critic) are issued toge
 
 After every update the policy's full weights go into the object store once and every engine
 loads them from there (zero-copy on the same node), so rollouts always come from the current
-policy; in the colocated layout each rank's engine loads its trainer's tensors in place. The critic-free algorithms drop the critic: `grpo`, `rloo` and `dr_grpo` use baselines
-from the other `sampling.n` samples of each prompt (KL to the reference in the loss),
+policy; in the colocated layout each rank's engine loads its trainer's tensors in place. The
+critic-free algorithms drop the critic: `grpo`, `rloo` and `dr_grpo` use baselines from the other
+`sampling.n` samples of each prompt (KL to the reference in the loss),
 `reinforce_pp` whitens per-token returns over the batch (KL in the reward); `advantages()` picks
 the estimator. The engines return the log-probs of the tokens they sample; their gap to the
 trainer's (`logprob_mismatch_*`) is logged every iteration, and `tis` corrects for it. The math

@@ -208,7 +208,8 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
 
             n = cfg.policy.num_ranks  # every role on the policy's ranks: their DeepSpeed configs for that many
             specs = {name: role_spec(name, role.model_copy(update={"num_ranks": n}), kind, path, cfg, trainable, gpu,
-                                     s.tok.pad_token_id, seed, ctx.storage) for name, role, kind, path, trainable in roles}
+                                     s.tok.pad_token_id, seed, ctx.storage)
+                     for name, role, kind, path, trainable in roles}
             pending = {"ranks": start_ranks(s, cfg, specs, sft, spec, gpu)}
         else:
             s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
