@@ -156,7 +156,7 @@ def configured_code(cfg: PPOConfig) -> list[str]:
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model.
 
-    In the colocated layout a rank that dies takes its training state with it (`RankLost`): every rank is
+    In the colocated layout a rank that dies takes its training state with it (`rank_lost`): every rank is
     started again and the run resumes from the last checkpoint, up to MAX_RANK_RESTARTS times."""
     from stages.ppo.colocated import MAX_RANK_RESTARTS, rank_lost
 

@@ -17,8 +17,9 @@ answer as an `EnginePool` does (`engines`, `sync`, `kill`, `retrying`). What the
 at validation (`config._fits_layout`): `rollout.async` (one process cannot generate while it trains) and
 environments (a stalled environment is ended by killing the engine's process, here a policy rank).
 
-A rank that dies takes its engine and its training state with it; nothing can be restarted in place, so
-`RankLost` ends the attempt and the stage starts its ranks again from the last checkpoint (`run`'s retry).
+A rank that dies takes its engine and its training state with it; nothing can be restarted in place, so a
+call on a dead rank ends the attempt (`rank_lost`) and the stage starts its ranks again from the last
+checkpoint (`run`'s retry).
 """
 
 from __future__ import annotations
@@ -31,16 +32,12 @@ from stages.ppo.worker import PPOWorker
 MAX_RANK_RESTARTS = 2  # a rank that dies again and again is a bug to report, not to retry forever
 
 
-class RankLost(RuntimeError):
-    """A colocated rank died (its engine, or its trainer): the stage restarts every rank from the last checkpoint."""
-
-
 def rank_lost(layout: str, exc: BaseException) -> bool:
-    """Whether `exc` means a colocated rank died: `RankLost`, or any call on a dead rank (a checkpoint's save,
-    a scoring pass) in the colocated layout. In the separate layout a dead role rank stays an error."""
+    """Whether `exc` means a colocated rank died: any call on a dead rank (generating, scoring, a weight sync,
+    a checkpoint's save) raises RayActorError. In the separate layout a dead role rank stays an error."""
     import ray
 
-    return isinstance(exc, RankLost) or layout == "colocated" and isinstance(exc, ray.exceptions.RayActorError)
+    return layout == "colocated" and isinstance(exc, ray.exceptions.RayActorError)
 
 
 class ColocatedRank(PPOWorker):
@@ -183,10 +180,7 @@ class RankEngines:
         """Every rank loads its policy's weights into its engine; (the slowest rank's seconds, bytes per rank)."""
         import ray
 
-        try:
-            done = ray.get([a.sync_engine.remote(version) for a in self.ranks.actors])
-        except ray.exceptions.RayActorError as exc:
-            raise RankLost(f"a colocated rank died during the weight sync ({type(exc).__name__})") from exc
+        done = ray.get([a.sync_engine.remote(version) for a in self.ranks.actors])
         return max(s for s, _ in done), done[0][1]
 
     def kill(self, index: int, timeout: float = 60) -> None:
@@ -196,13 +190,9 @@ class RankEngines:
         kill_engine(self.ranks.actors[index], timeout)
 
     def retrying(self, call, say=print, attempts: int = 3, since: int | None = None):
-        """`call()`; a rank that died under it ends the attempt (`RankLost`): its training state went with it."""
-        import ray
-
-        try:
-            return call()
-        except ray.exceptions.RayActorError as exc:
-            raise RankLost(f"a colocated rank died while generating ({type(exc).__name__})") from exc
+        """`call()` once: nothing here can restart a dead rank (its training state went with it), so its error
+        ends the attempt and `run` starts the ranks again (`rank_lost`)."""
+        return call()
 
     def shutdown(self) -> None:
         """Nothing of its own: the ranks' group ends the actors."""
