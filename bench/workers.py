@@ -6,8 +6,8 @@
 
 Issue 60 asks the default's worker count to be chosen by measuring both on the default. Per stage and
 repeat, each variant runs the whole stage as the default configures it (`pipeline run configs/full.yaml
---only STAGE --force STAGE`), alternating A B A B in one invocation so that the machine's drift falls on
-both, with the **global batch unchanged** (`batch_size`): two workers of `micro_batch_size` rows each, or
+--only STAGE --force STAGE`; dpo, which the default lacks, as `configs/recipes/dpo.yaml` does), alternating
+A B A B in one invocation so that the machine's drift falls on both, with the **global batch unchanged** (`batch_size`): two workers of `micro_batch_size` rows each, or
 one worker whose micro-batch is the whole batch (the same rows per forward pass on the machine, no
 gradient accumulation). Upstream artifacts (model, data, and the default's SFT for the reward model) are
 prepared once, untimed and cached.
@@ -36,7 +36,7 @@ LEARNED = ("eval_loss", "accuracy", "eval_accuracy", "eval_accuracy_gold", "eval
 
 
 def overrides(stage: str, variant: str) -> list[str]:
-    """The variant's settings for `stage`, the global batch as the default has it."""
+    """The variant's settings for `stage`, the global batch as its config (`CONFIG`) has it."""
     import yaml
 
     section = yaml.safe_load(CONFIG[stage].read_text())["stages"][stage]
