@@ -4,13 +4,13 @@
     .venv/bin/python bench/workers.py --stages sft --repeats 2
     .venv/bin/python bench/workers.py --stages dpo        # the DPO recipe's dpo stage (configs/recipes/dpo.yaml)
 
-Issue 60 asks the default's worker count to be chosen by measuring both on the default. Per stage and
-repeat, each variant runs the whole stage as the default configures it (`pipeline run configs/full.yaml
---only STAGE --force STAGE`; dpo, which the default lacks, as `configs/recipes/dpo.yaml` does), alternating
-A B A B in one invocation so that the machine's drift falls on both, with the **global batch unchanged** (`batch_size`): two workers of `micro_batch_size` rows each, or
-one worker whose micro-batch is the whole batch (the same rows per forward pass on the machine, no
-gradient accumulation). Upstream artifacts (model, data, and the default's SFT for the reward model) are
-prepared once, untimed and cached.
+Issue 60 asks the default's worker count to be chosen by measuring both on the default. Per stage and repeat,
+each variant runs the whole stage as the default configures it (`pipeline run configs/full.yaml --only STAGE
+--force STAGE`; dpo, which the default lacks, as `configs/recipes/dpo.yaml` does), alternating A B A B in one
+invocation so that the machine's drift falls on both, with the **global batch unchanged** (`batch_size`): two
+workers of `micro_batch_size` rows each, or one worker whose micro-batch is the whole batch (the same rows per
+forward pass on the machine, no gradient accumulation). Upstream artifacts (model, data, and the default's SFT
+for the reward model) are prepared once, untimed and cached.
 
 Per stage and variant it prints: the stage's wall time (median over repeats), its start-up, training
 tokens/s, processes, and what it learned (held-out loss; SFT's greedy accuracy, the reward model's pair
