@@ -98,6 +98,12 @@ def test_code_tests_scores_mbpp_rows_in_the_sandbox_within_the_timeout(ray_local
         assert reward.scores(wrong, stored) == [0.0, 0.0, 0.0]  # the loop is ended by the sandbox's own limits
         assert time.monotonic() - t0 < 15
         assert reward.counts() == {"rule_timeouts": 0, "rule_errors": 0}
+        # HumanEval's columns (test, entry_point) reach the reward whole; a row with nothing to check is its error
+        check = "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+        humaneval = [{"prompt": "add", "answer": "", "extra": json.dumps({"test": check, "entry_point": "add"})},
+                     {"prompt": "none", "answer": "", "extra": json.dumps({"test_list": ["import math"]})}]
+        assert reward.scores([fenced[0], fenced[0]], humaneval) == [1.0, 0.0]
+        assert reward.counts() == {"rule_timeouts": 0, "rule_errors": 1}
     finally:
         reward.close()
 

@@ -98,12 +98,14 @@ def test_correct_and_wrong_solutions(tier):
         name = row["code"].split("(")[0].removeprefix("def ")
         assert code_tests(row["text"], wrong[name], row) == 0.0
         assert code_tests(row["text"], "I don't know.", row) == 0.0
-    # the other row formats: `tests` as one newline-joined string, `test` alone, setup code; no tests scores 0
+    # the other row formats: `tests` as one newline-joined string, `test` alone, setup code; a row without tests
+    # is the reward's error naming it (nothing to check is never a pass)
     tests = "\n".join(SAMPLE[0]["test_list"])
     assert code_tests("", ADD, {"tests": tests}) == 1.0
     assert code_tests("", ADD, {"test": "assert add(1, 1) == 2"}) == 1.0
     assert code_tests("", ADD, {"tests": ["assert add(K, 1) == 3"], "test_setup_code": "K = 2"}) == 1.0
-    assert code_tests("", ADD, {"answer": "5"}) == 0.0
+    with pytest.raises(ValueError, match="row 7: it has no tests"):
+        code_tests("", ADD, {"answer": "5", "task_id": 7})
 
 
 @pytest.mark.parametrize("tier", WORKING, indirect=True)
@@ -169,7 +171,12 @@ def test_50_mb_of_output(tier):
     assert time.monotonic() - start <= LIMITS.wall_s + MARGIN_S
     assert res.output_truncated and not res.ok and res.error == "output limit"
     assert len(res.stdout.encode()) <= LIMITS.output_bytes
-    assert _timed_score(ADD + "print('y' * 50_000_000)\n", SAMPLE[0]) == 0.0
+    # code_tests: the response's own output goes to /dev/null (it cannot matter, nor fill the caller); 50 MB on
+    # the descriptor its answers travel on stops the run at the output cap
+    assert _timed_score(ADD + "print('y' * 50_000_000)\n", SAMPLE[0]) == 1.0
+    flood = "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'y' * 50_000_000)\n" \
+            "    except OSError:\n        pass\n"
+    assert _timed_score(ADD + flood, SAMPLE[0]) == 0.0
 
 
 @pytest.mark.parametrize("tier", WORKING, indirect=True)

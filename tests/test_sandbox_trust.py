@@ -1,8 +1,7 @@
 """What the sandbox promises about trust (issue 48; docs/security.md): weak tiers are refused for model-written
 code unless the config opts in; the strongest tier shows the code only what the interpreter needs; nothing the
 code writes survives it; the processes that launch it are not readable through /proc; all of a process's
-sandboxes share one memory and task limit (cgroup); code_tests cannot be gamed by anything the response does in
-its own process (issue 59: its verdict is decided outside it); the refusal of a weak tier holds however the rule
+sandboxes share one memory and task limit (cgroup); the refusal of a weak tier holds however the rule
 or environment is spelled, at the call; extract_code is linear. No Ray. Tiers are forced with PIPELINE_SANDBOX."""
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from stages.ppo import sandbox
-from stages.ppo.sandbox import cgroup, harness, tiers, verdict
+from stages.ppo.sandbox import cgroup, harness, tiers
 from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
 from helpers.sandbox_tiers import WORKING
 
@@ -252,138 +251,8 @@ def test_the_python_tool_logs_its_tier_and_describe_gives_mlflow_params(capsys, 
     assert all(isinstance(v, str) and v for v in info.values())
 
 
-# --------------------------------------------------------------------------- 5: gaming the reward (issues 48, 59)
-
-
-WRONG_ADD = "def add(a, b):\n    return a - b\n"
-LISTS = {"test_list": ["assert rev_list([1, 2]) == [2, 1]", "assert rev_list([]) == []"]}
-ALWAYS_EQUAL = "class E:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
-# forges well-formed records (verdict.RECORD) claiming 5 for every probe, as a response that read the harness's
-# frame would, then leaves before the harness writes its own
-FORGE = ("def forge(n):\n    import os\n    for k in range(n):\n"
-         "        os.write(1, ('\\n\\x1ecode_tests %d [\"int\", \"5\"]\\n' % k).encode())\n"
-         "    os.write(1, ('\\n\\x1ecode_tests end %d\\n' % n).encode())\n    os._exit(0)\n")
-GAMES = {  # name: (response, row); every one scores 0
-    "sys.exit": (WRONG_ADD + "import sys\nsys.exit(0)\n", ADD),
-    "raise SystemExit": (WRONG_ADD + "raise SystemExit(0)\n", ADD),
-    "os._exit": (WRONG_ADD + "import os\nos._exit(0)\n", ADD),
-    "sys.exit in the call": ("def add(a, b):\n    import sys\n    sys.exit(0)\n", ADD),
-    "atexit": (WRONG_ADD + "import atexit, os\natexit.register(lambda: os._exit(0))\n", ADD),
-    "excepthook": (WRONG_ADD + "import os, sys\nsys.excepthook = lambda *a: os._exit(0)\n", ADD),
-    "always equal": (ALWAYS_EQUAL + "def add(a, b):\n    return E()\n", ADD),
-    "always equal int": ("class E(int):\n    def __eq__(self, other):\n        return True\n"
-                         "    __hash__ = int.__hash__\ndef add(a, b):\n    return E(0)\n", ADD),
-    "truthy": ("class T:\n    def __bool__(self):\n        return True\n"
-               "    def __eq__(self, other):\n        return self\ndef add(a, b):\n    return T()\n", ADD),
-    "stdout hook": (WRONG_ADD + "import sys, os\nclass W:\n    def write(self, s):\n        os._exit(0)\n"
-                    "    def flush(self):\n        os._exit(0)\nsys.stderr = sys.stdout = W()\n", ADD),
-    # issue 59: the three attacks that scored 1.0 against the same-process harness
-    "builtins.exec no-op": (WRONG_ADD + "import builtins\nbuiltins.exec = lambda *a, **k: None\n", ADD),
-    "builtins.eval and compile": (WRONG_ADD + "import builtins\nbuiltins.eval = lambda *a, **k: 5\n"
-                                  "builtins.compile = lambda *a, **k: None\n", ADD),
-    "builtins.all": (ALWAYS_EQUAL + "def rev_list(x):\n    return [E()] * len(x)\nimport builtins\n"
-                     "builtins.all = lambda it: True\n", LISTS),
-    "the secret's descriptor": ("import os\ns = os.read(3, 100).strip()\nos.write(1, s + b':3\\n')\nos._exit(0)\n", ADD),
-    "the harness's frame (its secret)": (WRONG_ADD + "import os, sys\nloc = sys._getframe(1).f_locals\n"
-                                         "n = str(len(loc.get('compiled', '...'))).encode()\n"
-                                         "s = os.read(loc['secret_fd'], 100).strip()\n"
-                                         "os.write(1, b'\\n' + s + b':' + n + b'\\n')\nos._exit(0)\n", ADD),
-    "the harness's frame": (FORGE + "import sys\nf = sys._getframe(1)\nprint(sorted(f.f_locals))\n"
-                            "forge(f.f_locals.get('probes', 3))\n", ADD),
-    "an excepthook reading frames": (FORGE + "import sys\ndef hook(t, e, tb):\n    forge(3)\n"
-                                     "sys.excepthook = hook\ndef add(a, b):\n    raise ValueError(a)\n", ADD),
-    "forged records before the real ones": (WRONG_ADD + "import os\nfor k, v in enumerate((5, 0, 30)):\n"
-                                            "    os.write(1, b'\\x1ecode_tests %d [\"int\", \"%d\"]\\n' % (k, v))\n", ADD),
-    "a patched encoder": (WRONG_ADD + "import json\njson.dumps = lambda *a, **k: '[\"int\", \"5\"]'\n", ADD),
-    # what docs/security.md listed as undefended before issue 59
-    "__sub__ under abs": ("class Z:\n    def __sub__(self, o):\n        return 0.0\ndef area(r):\n    return Z()\n",
-                          {"test": "assert abs(area(1) - 3.14) < 0.01"}),
-    "__str__": ("class S:\n    def __str__(self):\n        return 'abc'\ndef f():\n    return S()\n",
-                {"test": "assert str(f()) == 'abc'"}),
-    "__float__ in math.isclose": ("class F:\n    def __float__(self):\n        return 0.3\n"
-                                  "def f():\n    return F()\n",
-                                  {"test": "assert math.isclose(f(), 0.3)", "test_imports": ["import math"]}),
-    "math.isclose patched": ("import math\nmath.isclose = lambda *a, **k: True\ndef f():\n    return 0\n",
-                             {"test": "assert math.isclose(f(), 0.3)", "test_imports": ["import math"]}),
-    "a builtin shadowed": ("def sorted(x):\n    return [1, 2]\ndef f():\n    return []\n",
-                           {"test": "assert sorted(f()) == [1, 2]"}),
-    "set patched": ("import builtins\nbuiltins.set = lambda *a: {4}\ndef sim(a, b):\n    return ()\n",
-                    {"test": "assert set(sim((3, 4), (4, 5))) == set((4,))"}),
-}
-
-
-@pytest.mark.parametrize("game", list(GAMES))
-def test_a_response_gaming_code_tests_scores_zero(game, monkeypatch):
-    monkeypatch.setattr(harness, "LIMITS", LIMITS)
-    response, row = GAMES[game]
-    assert code_tests("", response, row) == 0.0
-
-
-# Row shapes of MBPP-style data, each with a reference solution (scores 1) and a wrong one (scores 0): decided in
-# the caller (== a literal, truth), in the judge's run (set(...), math.isclose, <, in, len, a setup name), a
-# generator under list(), the response's own import as the function under test, a class of the response as an
-# argument.
-SHAPES = [
-    ("assert freq([1, 1, 2]) == {1: 2, 2: 1}", "import collections\ndef freq(xs):\n    return collections.Counter(xs)",
-     "def freq(xs):\n    return {1: 2}"),
-    ("assert avg([2, 4]) == 3", "def avg(xs):\n    return sum(xs) / len(xs)", "def avg(xs):\n    return 3.5"),
-    ("assert f() == True", "def f():\n    return True", "def f():\n    return 1"),
-    (["assert f() == [1, (2, 'x')]", "assert not f() == []", "assert f()"], "def f():\n    return [1, (2, 'x')]",
-     "def f():\n    return [1, [2, 'x']]"),
-    ("assert math.isclose(f(), 0.3, rel_tol=1e-9)", "def f():\n    return 0.1 + 0.2", "def f():\n    return 0.31"),
-    ("assert set(sim((3, 4, 5, 6), (5, 7, 4, 10))) == set((4, 5))",
-     "def sim(a, b):\n    return tuple(set(a) & set(b))", "def sim(a, b):\n    return (4,)"),
-    ("assert list(g(3)) == [0, 1, 4]", "def g(n):\n    return (i * i for i in range(n))", "def g(n):\n    return [0, 1]"),
-    ("assert sorted(g(3)) == ['0', '1', '2']", "def g(n):\n    return map(str, range(n))", "def g(n):\n    return 'x'"),
-    ("assert chain([Pair(5, 24), Pair(15, 25)], 2) == 1",
-     "class Pair:\n    def __init__(s, a, b):\n        s.a, s.b = a, b\ndef chain(ps, n):\n    return n - 1",
-     "class Pair:\n    def __init__(s, a, b):\n        pass\ndef chain(ps, n):\n    return n"),
-    ("assert f(K) == 4", "def f(x):\n    return x * 2", "def f(x):\n    return x + 1"),
-    ("assert f(1) == 2\nassert f(2) == 4\nassert f(3) != 5", "def f(x):\n    return x * 2", "def f(x):\n    return 2"),
-    (["assert is_p(7)", "assert not is_p(4)", "assert is_p(3) == True"], "def is_p(n):\n    return n in (2, 3, 5, 7)",
-     "def is_p(n):\n    return True"),
-    ("assert gcd(12, 8) == 4", "from math import gcd", "from math import lcm as gcd"),
-    (["assert f(3) < 4", "assert f('a') in 'abc'", "assert abs(f(3.0) - 3) < 1e-9", "assert len(f([1])) == 1"],
-     "def f(x):\n    return x", "def f(x):\n    return x * 2"),
-    (["assert f(3)[0] == 3", "assert f(1) == dict(a=1) or f(1) == [1]"], "def f(x):\n    return [x]",
-     "def f(x):\n    return (x,)"),
-]
-
-
-@pytest.mark.parametrize("tests, right, wrong", SHAPES, ids=[str(i) for i in range(len(SHAPES))])
-def test_honest_answers_still_score_by_their_tests(tests, right, wrong, monkeypatch):
-    monkeypatch.setattr(harness, "LIMITS", LIMITS)
-    row = {"tests": tests, "test_setup_code": "K = 2"}
-    assert code_tests("", right, row) == 1.0
-    assert code_tests("", wrong, row) == 0.0
-    printing = right + "\nprint('hello', end='')\nif __name__ == '__main__':\n    print(repr(1))\n"
-    assert code_tests("", printing, row) == 1.0  # its own output (even without a newline) does not matter
-
-
-def test_the_responses_run_never_holds_an_expected_value():
-    row = {"test_list": ["assert add(2, 3) == 987654321", "assert set(add(1, 1)) == {123456789}"]}
-    program = sandbox.program_for(ADD["code"], row)
-    assert "add(2, 3)" in program and "987654321" not in program and "123456789" not in program
-    plan = verdict.split("", row["test_list"], ADD["code"])
-    assert [c.kind for c in plan.checks] == ["equal", "judge"] and plan.checks[0].expected == 987654321
-    assert "123456789" in harness.judge_for("", plan, [["int", "5"], ["int", "2"]])  # the judge's run, no response
-
-
-def test_records_are_accepted_only_whole_numbered_and_in_order():
-    ok = ("x\n\x1ecode_tests 0 [\"int\", \"5\"]\nnoise\x1ecode_tests 9\n\x1ecode_tests 1 [\"str\", \"a\"]\n"
-          "\x1ecode_tests end 2\n")
-    assert verdict.records(ok, 2) == [["int", "5"], ["str", "a"]]
-    for bad in (ok.replace("end 2", "end 3"), ok.replace(" 1 [", " 0 ["), "\x1ecode_tests 0 [\"int\", \"5\"]\n" + ok,
-                ok.replace("\x1ecode_tests end 2\n", ""), ok.replace('["str", "a"]', '["object", "a"]'),
-                ok.replace('["str", "a"]', '["set", [["list", []]]]')):
-        assert verdict.records(bad, 2) is None, bad
-    assert verdict.records(ok, 3) is None
-
-
-def test_a_test_that_cannot_be_split_is_an_error_naming_it():
-    for test in ("assert all(f(i) == i for i in range(3))", "x = f(3)\nassert x == 3", "assert f(("):
-        with pytest.raises(ValueError, match="test 1"):
-            code_tests("", "def f(x):\n    return x", {"test": test})
+# --------------------------------------------------------------------------- 5: gaming the reward
+# tests/test_code_tests.py: the attack corpus (tests/helpers/code_corpus.py) and the verdict's parts (issue 67).
 
 
 # --------------------------------------------------------------------------- 6: extract_code is linear

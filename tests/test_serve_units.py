@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from conftest import smoke_config
 from pipeline import storage
@@ -533,8 +534,16 @@ def test_engines_load_safetensors_only_and_every_served_model_passes_the_safety_
     model.mkdir()
     (model / "config.json").write_text(_json.dumps({"max_position_embeddings": 64}))
     (model / "pytorch_model.bin").write_bytes(b"pickle")
-    kwargs = engine_kwargs(EngineConfig(extra={"load_format": "pt"}), model, gpu=False)
-    assert kwargs["load_format"] == "safetensors"  # `extra` cannot switch the engine to pickle weights
+    kwargs = engine_kwargs(EngineConfig(extra={"enable_prefix_caching": True}), model, gpu=False)
+    assert kwargs["load_format"] == "safetensors" and kwargs["trust_remote_code"] is False
+    # `extra` cannot reopen what the project pins (issue 67): refused at validation, naming the key, however spelled,
+    # for serve and batch inference alike, from YAML or an override
+    for key in ("load_format", "trust_remote_code", "Trust-Remote-Code"):
+        with pytest.raises(ValidationError, match=f"extra.{key}\n  not allowed in extra"):
+            EngineConfig(extra={key: "pt" if "format" in key else True})
+    for stage in ("serve", "batch_infer"):
+        with pytest.raises(UserError, match=f"stages.{stage}.engine.extra.trust_remote_code: not allowed in extra"):
+            smoke_config(tmp_path, f"stages.{stage}.engine.extra.trust_remote_code=true")
     with pytest.raises(UserError, match="only pickle weights"):  # `pipeline serve --model DIR`, batch-infer
         model_registry.fetch(str(model), "sqlite:///unused.db", tmp_path / "cache")
 

@@ -13,9 +13,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pipeline.schema import Section
+
+# Engine arguments the project decides and `extra` may not reopen: model code from the checkpoint, and the weights'
+# format (pickle weights can run code when loaded).
+PINNED = {"trust_remote_code": "set engine.trust_remote_code instead (off by default: only architectures built "
+                               "into vLLM and transformers load)",
+          "load_format": "the engine always loads safetensors: pickle weights can run code when loaded"}
 
 
 class EngineConfig(Section):
@@ -32,7 +38,29 @@ class EngineConfig(Section):
     trust_remote_code: bool = Field(False, description="Run model code shipped inside the checkpoint. Off: only "
                                     "architectures built into vLLM/transformers load.")
     extra: dict[str, Any] = Field(default_factory=dict, description="Further vLLM engine arguments passed as they "
-                                  "are (e.g. {enable_prefix_caching: true}).")
+                                  "are (e.g. {enable_prefix_caching: true}); not trust_remote_code (its own key) or "
+                                  "load_format (always safetensors).")
+
+    @field_validator("extra")
+    @classmethod
+    def _pinned_keys_stay_pinned(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        problems = pinned_keys(extra)
+        if problems:
+            from pydantic import ValidationError
+            from pydantic_core import InitErrorDetails, PydanticCustomError
+
+            # One error per key, at its own path: stages.serve.engine.extra.trust_remote_code.
+            raise ValidationError.from_exception_data("EngineConfig", [InitErrorDetails(
+                type=PydanticCustomError("value_error", "{why}", {"why": why}), loc=(key,), input=value)
+                for key, value, why in problems])
+        return extra
+
+
+def pinned_keys(extra: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(key, value, why) for each key of a raw engine-argument mapping that would reopen what the project pins
+    (PINNED), however it is spelled (`trust-remote-code`, `Load_Format`)."""
+    return [(key, value, f"not allowed in extra: {PINNED[norm]}; remove it") for key, value in extra.items()
+            if (norm := str(key).strip().lower().replace("-", "_")) in PINNED]
 
 
 def model_max_len(model_dir: Path) -> int:
@@ -57,8 +85,10 @@ def engine_kwargs(cfg: EngineConfig, model_dir: Path, gpu: bool, seed: int = 0) 
     return {
         "dtype": cfg.dtype, "max_model_len": context_length(cfg, model_dir), "max_num_seqs": cfg.max_num_seqs,
         "gpu_memory_utilization": cfg.gpu_memory_utilization or (0.9 if gpu else 0.3),
-        "enforce_eager": not gpu, "trust_remote_code": cfg.trust_remote_code, "seed": seed, **cfg.extra,
-        "load_format": "safetensors",  # last, so `extra` cannot change it: pickle weights can run code when loaded
+        "enforce_eager": not gpu, "seed": seed, **cfg.extra,
+        # last, so that `extra` cannot change them (it is refused at validation too: PINNED): model code from the
+        # checkpoint only when its own key says so, and never pickle weights (they can run code when loaded)
+        "trust_remote_code": cfg.trust_remote_code, "load_format": "safetensors",
     }
 
 

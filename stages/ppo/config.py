@@ -208,8 +208,10 @@ class RewardMix(Section):
     model_weight: float = Field(0.0, description="Weight of the reward model's score (0: the reward model is not loaded).")
     rule_weight: float = Field(1.0, description="Weight of the rule reward.")
     rule: str = Field("verifier", description="'verifier' (1 if the task verifier, task.verifier, accepts the "
-                      "answer, else 0), 'code_tests' (the response's Python run against the row's `test_list` / "
-                      "`tests` in a sandbox: 1 if every test passes) or 'module:function' naming any of prompt, "
+                      "answer, else 0), 'code_tests' (the response's Python judged by the row's tests: MBPP's "
+                      "`test_list` / `tests`, or HumanEval's `test` with `entry_point`; 1 if every check passes, "
+                      "decided by a sandboxed judge that runs none of the response's code; docs/security.md) or "
+                      "'module:function' naming any of prompt, "
                       "response, answer, row or your prompt columns as parameters (may be async) and returning a "
                       "float (stages/ppo/rewards.py).")
     workers: int = Field(2, ge=1, description="Ray actors that run a 'module:function' or code_tests rule reward, "

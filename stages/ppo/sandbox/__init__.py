@@ -5,7 +5,7 @@ socket, eats memory or prints megabytes fails (scores 0) within `SandboxLimits.w
 and never stalls or damages the caller. docs/security.md is the user's account of what follows.
 
     run_python(code, limits, stdin) -> SandboxResult  # the process's exit, output (capped), timing and a reason
-    code_tests(prompt, response, row) -> float    # MBPP-style reward: 1.0 iff every check holds, decided outside
+    code_tests(prompt, response, row) -> float    # MBPP/HumanEval reward: 1.0 iff every check holds, judged apart
     extract_code(response) -> str                 # the last ```python block, else any fenced block, else all
     isolation() -> str                            # the layers in use here, e.g. "bwrap+rlimits+uid"
     interpreter() -> str                          # the Python it runs, e.g. /usr/bin/python3
@@ -78,12 +78,13 @@ model-written code at the ppo stage's start unless `stages.ppo.sandbox.allow_wea
 What even tier 1 cannot stop: reading the world-readable files of its own root (system libraries, the interpreter
 and its packages); CPU adding up across its tasks until the wall clock; a kernel exploit (no seccomp filter).
 
-code_tests decides its verdict outside the process that runs the response (issue 59): the caller splits the row's
-tests into probes (the calls of the response's code) and checks (`verdict.split`); the response's run evaluates
-only the probes and writes one type-tagged record each (`harness.HARNESS`); the caller accepts exactly one record
-per probe, in order, decodes plain values only and compares them with the expectations it alone holds; a check
-that is not `probe == literal` or a truth test runs in a second sandboxed run holding no code of the response
-(`harness.JUDGE`). docs/security.md states the threat model, the guarantee and its limits.
+code_tests decides its verdict in a process that runs nothing the response chose (issue 67): two sandboxed runs
+start side by side and talk only through the caller (`relay.converse`): the judge's run (`programs.judge`) runs
+the row's test as written, any shape, with the response's names bound to what the response's run
+(`programs.serve`) reported, and asks that run for every call the test makes on the response's code, sending the
+inputs and taking the return values as data (`values`); method calls, subscripts and comparisons on those values
+happen in the judge. The caller's referee (`harness.Referee`) checks and rebuilds every message it forwards.
+docs/security.md states the threat model, the guarantee and its limits.
 
 Why the standard library where it is used: there is no maintained Python package that wraps bubblewrap, rlimits
 and uid changes; `subprocess`, `resource`, `selectors` and `os` are what such a package would use. The cgroup,
@@ -95,14 +96,17 @@ The package, one concern per module (imported bottom up, nothing back):
 
     cgroup.py    the common limit of all sandboxes of a process (TOTAL)
     process.py   one run: the launcher, reading the output against the clock and the cap, killing what is left
-    tiers.py     choosing the isolation, describing it, refusing a weak one; run_python
-    verdict.py   the code_tests verdict in the caller: the tests split, the value codec, the comparison
-    harness.py   the code_tests reward: extract_code, the response's run, the judge's run
+    relay.py     runs in conversation: started side by side, their lines relayed through a referee
+    tiers.py     choosing the isolation, describing it, refusing a weak one; run_python, converse
+    values.py    values as data between the runs (the codec, the caller's check) and the strict comparison
+    verdict.py   the judge's plan, from the row's tests alone: whose names, the rewrite, the refusals
+    programs.py  the two sandboxed programs: the response's run (serve) and the judge's run (judge)
+    harness.py   the code_tests reward: extract_code, row_tests, the referee, code_tests
 """
 
 from __future__ import annotations
 
-from stages.ppo.sandbox.harness import code_tests, extract_code, program_for, row_tests  # noqa: F401
+from stages.ppo.sandbox.harness import code_tests, extract_code, judge, row_tests  # noqa: F401
 from stages.ppo.sandbox.process import SandboxLimits, SandboxResult  # noqa: F401
 from stages.ppo.sandbox.tiers import (  # noqa: F401
     ALLOW_ENV, ALLOW_WEAK_KEY, ENV_VAR, HIDES, STRONG, TIERS, WEAK, WeakSandbox, allowance_env, announce,

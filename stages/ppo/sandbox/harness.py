@@ -1,20 +1,28 @@
-"""The `code_tests` reward (MBPP-style), decided outside the process that runs the response: the row's tests are
-split in the caller (`verdict.split`) into probes (the calls of the response's code) and checks; the response's
-run (`HARNESS`, `program_for`) evaluates the probes and writes one type-tagged record per probe; the caller
-compares the values with the expectations it holds (`verdict.records`, `verdict.decide`), and a check that is
-not `probe == literal` runs in a second sandboxed run holding no code of the response (`JUDGE`, `judge_for`).
-Nothing the response does in its process (exiting, hooks, patched builtins, read descriptors or frames, forged
-output) can turn into a pass: only values equal to expectations it never sees. docs/security.md.
+"""The `code_tests` reward: a response's Python code judged by a row's tests (MBPP's top-level asserts,
+HumanEval's `def check(candidate)` with `entry_point`, or any test code), decided by a process that runs nothing
+the response chose. docs/security.md states the threat model and why each class of attack cannot pass.
+
+Two sandboxed runs start side by side and talk only through the caller (`relay.converse`, `Referee`):
+- the response's run (programs.serve) holds the response's code; it learns the inputs of the calls the test makes
+  on that code and answers with values as data (`values.encode`: plain values, else an opaque handle);
+- the judge's run (programs.judge) holds the row's setup and its test as `verdict.plan` rewrote it, with the
+  response's names bound to what the response's run reported, and decides: every check passed (at least one), a
+  check failed, or the row cannot be judged (a ValueError naming the row: the reward's error).
+The referee checks every message, forwards only what it rebuilt (`values.canonical`), and fails the row on any
+breach: a message nobody asked for, one that is not data, a run that ends or stalls before the verdict.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
-from stages.ppo.sandbox.process import SandboxLimits, SandboxResult
-from stages.ppo.sandbox.tiers import run_python
-from stages.ppo.sandbox.verdict import RECORD, Plan, decide, decode, encode, equal, plain, records, source, split, value
+from stages.ppo.sandbox import programs, values
+from stages.ppo.sandbox.process import SandboxLimits
+from stages.ppo.sandbox.relay import Concluded
+from stages.ppo.sandbox.tiers import converse
+from stages.ppo.sandbox.verdict import plan, row_name
 
 _OPEN = re.compile(r"[ \t]*([A-Za-z0-9_+.#-]*)")
 _PYTHON_TAGS = {"python", "python3", "py", "py3"}
@@ -63,7 +71,8 @@ def _lines(value) -> list[str]:
 
 def row_tests(row: dict) -> tuple[str, list[str]]:
     """A row's setup code and its test statements: `test_list` (MBPP), else `tests` (a list, or one string of
-    newline-joined asserts), else `test` (one string); setup from `test_setup_code` and `test_imports` (MBPP)."""
+    newline-joined asserts), else `test` (one string: HumanEval's, with `entry_point`); setup from
+    `test_setup_code` and `test_imports` (MBPP)."""
     row = row or {}
     for key in ("test_list", "tests", "test"):
         tests = _lines(row.get(key))
@@ -74,121 +83,117 @@ def row_tests(row: dict) -> tuple[str, list[str]]:
 
 
 
-LIMITS = SandboxLimits()  # what each of `code_tests`' runs gets (tests set smaller ones)
+LIMITS = SandboxLimits()  # what each of `code_tests`' two runs gets (tests set smaller ones)
+MAX_QUESTIONS = 10_000  # calls and attribute reads one row's test may make of the response's code
 
-# The response's run: this harness (with `verdict.encode`), then a call with the response's code, the imports the
-# tests need, the row's setup and the steps of `verdict.split` (the tests' other statements and the probes) as
-# literals. Everything is compiled before the response's code runs; then the response, the imports, the setup and,
-# in order, each statement and each probe run in one namespace. Each probe's value is written as one record line
-# (`verdict.RECORD`, its number, its tagged value) on a copy of fd 1 with os.write, then an end record, then
-# os._exit(0). It holds no expected value and no secret: what it writes is only a claim of values, which the
-# caller compares with expectations it alone holds, so nothing the response does here can make a pass.
-HARNESS = f'''
-RECORD = {RECORD!r}
-{source(encode)}
 
-def __harness(response, imports, setup, steps, probes):
-    import builtins, json, os
-    out, write, leave, dumps, str_ = os.dup(1), os.write, os._exit, json.dumps, str
-    compiled = [(s[0], s[1], compile(s[2], "<probe %d>" % s[1], "eval")) if s[0] == "probe"
-                else (s[0], -1, compile(s[1], "<test>", "exec")) for s in steps]
-    first = [compile(i, "<import>", "exec") for i in imports]
-    setup_code = compile(setup, "<setup>", "exec") if setup else None
-    run, evaluate, tag = exec, eval, encode
-    ns = {{"__name__": "__main__", "__builtins__": builtins}}
-    run(compile(response, "<response>", "exec"), ns)
-    for code in first:
-        run(code, ns)
-    if setup_code is not None:
-        run(setup_code, ns)
-    for kind, k, code in compiled:
-        if kind == "exec":
-            run(code, ns)
-            continue
-        record = dumps(tag(evaluate(code, ns)), ensure_ascii=True)
-        write(out, ("\\n" + RECORD + str_(k) + " " + record + "\\n").encode())
-    write(out, ("\\n" + RECORD + "end " + str_(probes) + "\\n").encode())
-    leave(0)
-'''
+@dataclass
+class Verdict:
+    passed: bool
+    detail: str = ""  # why it did not pass
+    refused: str = ""  # why the row cannot be judged (the reward's error)
 
-# The judge's run, for checks that are not `probe == literal`, `probe` or `not probe`: no code of the response,
-# only the imports the tests need (the standard library's, the response's own import statements), the row's
-# setup, the tests' other statements and each check with its probes bound to their decoded values (`__v<k>`),
-# each assert's `==` type-strict and what it compares or tests plain (`verdict.equal`, `verdict.value`). Its last
-# line is the JSON list of the checks' outcomes.
-JUDGE = f'''
-{source(decode, plain, value, equal)}
 
-def __judge(imports, setup, steps, values):
-    import json, os
-    ns = {{"__name__": "__main__", "__equal": equal, "__value": value}}
-    for k, tagged in enumerate(values):
-        ns["__v%d" % k] = decode(tagged)
-    for statement in imports:
-        exec(statement, ns)
-    if setup:
-        exec(setup, ns)
-    verdicts = []
-    for kind, text in steps:
-        if kind == "exec":
-            exec(text, ns)
-            continue
+def _line(message: dict) -> bytes:
+    return (json.dumps(message, ensure_ascii=True) + "\n").encode()
+
+
+class Referee:
+    """The caller's side of the conversation between the response's run and the judge's (module docstring). The
+    response's run speaks first (its names, or that its code failed), then only to answer the one question the
+    judge asked; the judge asks one question at a time and ends with its verdict."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.loaded, self.waiting, self.questions = names, False, False, 0
+
+    def line(self, who: str, raw: bytes) -> list[tuple[str, bytes]]:
         try:
-            verdicts.append(bool(eval(text, ns)))
-        except Exception:
-            verdicts.append(False)
-    os.write(1, ("\\n" + json.dumps(verdicts) + "\\n").encode())
-    os._exit(0)
-'''
+            message = json.loads(raw)
+        except (ValueError, RecursionError):
+            message = None
+        if type(message) is not dict or len(message) != 1:
+            raise Concluded(Verdict(False, f"the {who}'s run wrote something that is not a message"))
+        (key, body), = message.items()
+        return self._response(key, body) if who == "response" else self._judge(key, body)
+
+    def closed(self, who: str) -> None:
+        raise Concluded(Verdict(False, f"the {who}'s run ended before the verdict"))
+
+    @staticmethod
+    def _value(tagged, allowed: frozenset):
+        """The response's value rebuilt (values.canonical) and checked to build (set members, dict keys hashable)."""
+        try:
+            clean = values.canonical(tagged, allowed)
+            values.decode(clean, lambda tag, data: object())
+        except (ValueError, TypeError, RecursionError, OverflowError, MemoryError):
+            raise Concluded(Verdict(False, "a value that is not plain data crossed to the judge")) from None
+        return clean
+
+    def _response(self, key: str, body) -> list[tuple[str, bytes]]:
+        if not self.loaded:
+            if key == "failed":
+                raise Concluded(Verdict(False, f"the response's code failed: {str(body)[:300]}"))
+            if key != "names" or type(body) is not dict or sorted(body) != sorted(self.names):
+                raise Concluded(Verdict(False, "the response's run did not report the names the test uses"))
+            self.loaded = True
+            clean = {n: ["missing"] if t == ["missing"] else self._value(t, values.HANDLE_TAGS) for n, t in body.items()}
+            return [("judge", _line({"names": clean}))]
+        if not self.waiting:
+            raise Concluded(Verdict(False, "the response's run wrote a message no question asked for"))
+        self.waiting = False
+        if key == "ok":
+            return [("judge", _line({"ok": self._value(body, values.HANDLE_TAGS)}))]
+        if key == "raise" and type(body) is list and len(body) == 2 and all(type(b) is str for b in body):
+            return [("judge", _line({"raise": [body[0][:60], body[1][:300]]}))]
+        raise Concluded(Verdict(False, "the response's run answered with something that is not an answer"))
+
+    def _judge(self, key: str, body) -> list[tuple[str, bytes]]:
+        if key == "verdict" and type(body) is dict:
+            checks, failed, refused = body.get("checks"), body.get("failed"), body.get("refused")
+            if refused:
+                raise Concluded(Verdict(False, refused=str(refused)[:600]))
+            if failed:
+                raise Concluded(Verdict(False, f"a check failed: {str(failed)[:300]}"))
+            if type(checks) is int and checks > 0:
+                raise Concluded(Verdict(True))
+            raise Concluded(Verdict(False, "no check ran (the test's asserts were never reached)"))
+        if key not in ("call", "get") or not self.loaded or self.waiting or type(body) is not list:
+            raise Concluded(Verdict(False, "the judge's run broke the conversation"))
+        self.questions += 1
+        if self.questions > MAX_QUESTIONS:
+            raise Concluded(Verdict(False, f"the test asked more than {MAX_QUESTIONS} calls of the response"))
+        ref, attrs = (body + [None, None])[:2]
+        if not (type(ref) is int and type(attrs) is list and all(type(a) is str and a.isidentifier() for a in attrs)):
+            raise Concluded(Verdict(False, "the judge's run broke the conversation"))
+        clean = [ref, attrs]
+        if key == "call":
+            args, kwargs = (body[2:] + [None, None])[:2]
+            if not (type(args) is list and type(kwargs) is list and all(
+                    type(kv) is list and len(kv) == 2 and type(kv[0]) is str for kv in kwargs)):
+                raise Concluded(Verdict(False, "the judge's run broke the conversation"))
+            clean += [[self._value(a, values.REF_TAGS) for a in args],
+                      [[k, self._value(v, values.REF_TAGS)] for k, v in kwargs]]
+        self.waiting = True
+        return [("response", _line({key: clean}))]
 
 
-def _program(code: str, setup: str, plan: Plan) -> str:
-    return f"{HARNESS}\n__harness({code!r}, {plan.imports!r}, {setup!r}, {plan.model!r}, {len(plan.probes)})\n"
-
-
-def program_for(response: str, row: dict) -> str | None:
-    """The program of the response's run (HARNESS with the response's code, the row's setup and its probes); None
-    without tests. No expected value is in it."""
+def judge(response: str, row: dict) -> Verdict:
+    """The verdict on a response's code (`extract_code`) for a row's tests (module docstring); ValueError naming
+    the row when its tests cannot be judged (verdict.plan)."""
     setup, tests = row_tests(row)
-    if not tests:
-        return None
+    judged = plan(setup, tests, row or {})
     code = extract_code(response)
-    return _program(code, setup, split(setup, tests, code))
-
-
-def judge_for(setup: str, plan: Plan, tagged: list) -> str:
-    """The program of the judge's run: JUDGE with the setup, the judged checks and the response's values."""
-    imports = plan.imports + plan.judge_imports
-    return f"{JUDGE}\n__judge({imports!r}, {setup!r}, {plan.judge!r}, {tagged!r})\n"
-
-
-def judged(result: SandboxResult, checks: int) -> bool:
-    """Whether the judge's run found every one of its `checks` true."""
-    lines = result.stdout.strip().splitlines()
-    if not (result.ok and lines):
-        return False
-    try:
-        verdicts = json.loads(lines[-1])
-    except ValueError:
-        return False
-    return type(verdicts) is list and len(verdicts) == checks and all(v is True for v in verdicts)
+    conversation = converse({"response": programs.response_program(code, setup, judged.names),
+                             "judge": programs.judge_program(judged)}, LIMITS, Referee(judged.names))
+    return conversation.outcome or Verdict(False, conversation.reason)
 
 
 def code_tests(prompt: str, response: str, row: dict) -> float:
-    """The code-execution reward for MBPP-style rows: 1.0 if the response's code (`extract_code`) gives every
-    probe of the row's tests (`row_tests`, `verdict.split`) a value that passes its check, decided by the caller
-    and, for checks other than `probe == literal`, a run without the response's code; else 0.0. A row without
-    tests scores 0.0; one whose tests cannot be split is a ValueError naming the test (the call's error, counted
-    by the rule reward: rewards.py)."""
-    setup, tests = row_tests(row)
-    if not tests:
-        return 0.0
-    code = extract_code(response)
-    plan = split(setup, tests, code)
-    result = run_python(_program(code, setup, plan), LIMITS)
-    tagged = records(result.stdout, len(plan.probes)) if result.ok else None
-    if tagged is None or not decide(plan, tagged):
-        return 0.0
-    if not plan.judged():
-        return 1.0
-    return 1.0 if judged(run_python(judge_for(setup, plan, tagged), LIMITS), len(plan.judged())) else 0.0
+    """The code-execution reward: 1.0 when the judge's run found every check of the row's tests true (at least
+    one), for the response's code; else 0.0. A row that cannot be judged (no tests, no check, nothing of the
+    response used, a value run as code, a test that does not parse) is a ValueError naming the row and what is
+    wrong: the call's error, counted by the rule reward (rewards.py) and scored as its failures are."""
+    verdict = judge(response, row)
+    if verdict.refused:
+        raise ValueError(f"{row_name(row or {})}: {verdict.refused}")
+    return 1.0 if verdict.passed else 0.0

@@ -166,8 +166,12 @@ def _kill_uid(uid: int, deadline: float) -> None:
         time.sleep(0.005)
 
 
-def run(cfg: Config, code: str, limits: SandboxLimits, stdin: bytes = b"") -> SandboxResult:
-    started = time.monotonic()
+@contextlib.contextmanager
+def started(cfg: Config, code: str, limits: SandboxLimits, stdin: bytes | int = b""):
+    """A sandboxed run of `code` in `cfg`'s tier: the launcher started, `(proc, uid)` yielded; on leaving,
+    everything the run left is killed and its directory removed. `stdin`: bytes the program reads (within a
+    pipe's buffer, written before it starts), or subprocess.PIPE for a conversation (`relay.converse`). OSError
+    when the launcher cannot start."""
     uid = random.SystemRandom().randrange(UID_BASE, UID_BASE + UID_SPAN) if cfg.uid else None
     file_bytes = max(1, int(limits.file_mb)) << 20
     cpu = max(1, math.ceil(limits.cpu_s))
@@ -202,37 +206,49 @@ def run(cfg: Config, code: str, limits: SandboxLimits, stdin: bytes = b"") -> Sa
                 "rlimits": rlimits, "uid": uid, "argv": argv, "env": env, "cgroups": cgroup.procs()}
         r = None
         try:
-            if stdin:
+            if isinstance(stdin, bytes) and stdin:
                 r, w = os.pipe()
                 with open(w, "wb") as f:
                     f.write(stdin[:60000])  # within a pipe's buffer: written before the program starts
+            source = stdin if stdin is subprocess.PIPE else r if r is not None else subprocess.DEVNULL
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCHER, json.dumps(spec)], cwd=host_dir,
-                                    stdin=r if r is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
-        except OSError as e:
-            return SandboxResult(False, None, "", str(e), False, False, time.monotonic() - started, "sandbox")
+                                    stdin=source, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                    start_new_session=True, close_fds=True)
         finally:
             if r is not None:
                 os.close(r)
         try:
-            out, err, timed_out, truncated = _collect(proc, started + limits.wall_s, limits.output_bytes,
-                                                      lambda: _kill_rest(proc, uid))
+            yield proc, uid
         finally:
             _kill_all(proc, uid)
-        rc = proc.returncode
-    if cfg.bwrap and rc is not None and rc > 128:
-        rc = 128 - rc  # bwrap reports a child killed by signal N as 128 + N; report it as subprocess does
+
+
+def returncode(cfg: Config, proc: subprocess.Popen) -> int | None:
+    """The run's exit status as subprocess reports it (bwrap reports a child killed by signal N as 128 + N)."""
+    rc = proc.returncode
+    return 128 - rc if cfg.bwrap and rc is not None and rc > 128 else rc
+
+
+def run(cfg: Config, code: str, limits: SandboxLimits, stdin: bytes = b"") -> SandboxResult:
+    started_at = time.monotonic()
+    try:
+        with started(cfg, code, limits, stdin) as (proc, uid):
+            out, err, timed_out, truncated = _collect(proc, started_at + limits.wall_s, limits.output_bytes,
+                                                      lambda: kill_rest(proc, uid))
+    except OSError as e:
+        return SandboxResult(False, None, "", str(e), False, False, time.monotonic() - started_at, "sandbox")
+    rc = returncode(cfg, proc)
     stdout = out.decode("utf-8", errors="replace")
     stderr = err.decode("utf-8", errors="replace")
     ok = rc == 0 and not timed_out and not truncated
-    return SandboxResult(ok, rc, stdout, stderr, timed_out, truncated, time.monotonic() - started,
-                         _reason(ok, rc, stderr, timed_out, truncated))
+    return SandboxResult(ok, rc, stdout, stderr, timed_out, truncated, time.monotonic() - started_at,
+                         reason(ok, rc, stderr, timed_out, truncated))
 
 
-def _collect(proc: subprocess.Popen, deadline: float, cap: int, kill_rest) -> tuple[bytes, bytes, bool, bool]:
+def _collect(proc: subprocess.Popen, deadline: float, cap: int, cleanup) -> tuple[bytes, bytes, bool, bool]:
     """Read stdout and stderr until both close, the deadline passes, or either passes `cap` bytes (what is kept
     is at most `cap` each; the rest is never held). Once the main process has exited, its leftovers are killed
-    (`kill_rest`) so that a background child holding the pipes cannot stretch the run; one that escaped that
+    (`cleanup`) so that a background child holding the pipes cannot stretch the run; one that escaped that
     (tiers without a uid or pid namespace) gets EXIT_GRACE_S more, then its pipes are left unread."""
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     timed_out = truncated = False
@@ -264,13 +280,13 @@ def _collect(proc: subprocess.Popen, deadline: float, cap: int, kill_rest) -> tu
                     truncated = True
             if truncated:
                 break
-            if exited_at is None and _exited(proc):
+            if exited_at is None and exited(proc):
                 exited_at = time.monotonic()
-                kill_rest()  # the leftovers of an exited main process; the pipes then close
+                cleanup()  # the leftovers of an exited main process; the pipes then close
     return bytes(bufs[proc.stdout.fileno()]), bytes(bufs[proc.stderr.fileno()]), timed_out, truncated
 
 
-def _exited(proc: subprocess.Popen) -> bool:
+def exited(proc: subprocess.Popen) -> bool:
     """Has the main process exited? Without reaping it, so its process group id cannot be reused before the
     group is killed."""
     try:
@@ -304,7 +320,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _kill_rest(proc: subprocess.Popen, uid: int | None) -> None:
+def kill_rest(proc: subprocess.Popen, uid: int | None) -> None:
     inits = _children(proc.pid)  # under bwrap: the pid 1 of its pid namespace (bwrap's own init)
     for pid in inits:
         with contextlib.suppress(OSError):
@@ -318,7 +334,7 @@ def _kill_rest(proc: subprocess.Popen, uid: int | None) -> None:
 
 
 def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
-    _kill_rest(proc, uid)
+    kill_rest(proc, uid)
     try:
         proc.wait(timeout=2.0)
     except subprocess.TimeoutExpired:  # cannot happen after SIGKILL short of a hung kernel; don't hang the caller
@@ -328,7 +344,7 @@ def _kill_all(proc: subprocess.Popen, uid: int | None) -> None:
             f.close()
 
 
-def _reason(ok: bool, rc: int | None, stderr: str, timed_out: bool, truncated: bool) -> str:
+def reason(ok: bool, rc: int | None, stderr: str, timed_out: bool, truncated: bool) -> str:
     if ok:
         return ""
     if timed_out:

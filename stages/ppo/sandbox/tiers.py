@@ -18,6 +18,7 @@ from typing import Callable
 
 import stages.ppo.sandbox.cgroup as cgroup
 import stages.ppo.sandbox.process as process
+import stages.ppo.sandbox.relay as relay
 from stages.ppo.sandbox.process import Config, SandboxLimits, SandboxResult
 
 ENV_VAR = "PIPELINE_SANDBOX"
@@ -310,13 +311,8 @@ def make_undumpable() -> bool:
 
 
 # --------------------------------------------------------------------------- running
-def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: bytes = b"") -> SandboxResult:
-    """Run `code` as a Python program in the sandbox (see the module docstring) and return its result. `stdin`:
-    what the program reads on its standard input (none: /dev/null). Never raises for anything the code does;
-    returns within about `limits.wall_s` (plus the one-off probe of `isolation()` on the first call of a
-    process). Makes this process undumpable first (`make_undumpable`). Raises WeakSandbox, before running
-    anything, when the tier here is weak and this process is not allowed one (`weak_allowed`): the refusal holds
-    wherever model-written code runs, whatever named the function that runs it."""
+def _allowed_config() -> Config:
+    """This machine's tier, after the caller is made undumpable; WeakSandbox when it is weak and not allowed."""
     make_undumpable()
     cfg = _config()
     if cfg.tier not in STRONG and not weak_allowed():
@@ -324,4 +320,20 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: bytes 
                           f"{os.environ.get(ENV_VAR, 'auto')}), which cannot hide {WEAK[cfg.tier]}. To get a stronger "
                           f"tier, {FIX}. To run it anyway (code you trust), set {ALLOW_WEAK_KEY}: true, or "
                           f"{ALLOW_ENV}=1 in the environment of a process of your own (docs/security.md).")
-    return process.run(cfg, code, limits, stdin)
+    return cfg
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), stdin: bytes = b"") -> SandboxResult:
+    """Run `code` as a Python program in the sandbox (see the module docstring) and return its result. `stdin`:
+    what the program reads on its standard input (none: /dev/null). Never raises for anything the code does;
+    returns within about `limits.wall_s` (plus the one-off probe of `isolation()` on the first call of a
+    process). Makes this process undumpable first (`make_undumpable`). Raises WeakSandbox, before running
+    anything, when the tier here is weak and this process is not allowed one (`weak_allowed`): the refusal holds
+    wherever model-written code runs, whatever named the function that runs it."""
+    return process.run(_allowed_config(), code, limits, stdin)
+
+
+def converse(programs: dict[str, str], limits: SandboxLimits, referee) -> relay.Conversation:
+    """Run `programs` (name -> code) side by side in the sandbox, each as `run_python` runs one, their lines
+    relayed through `referee` (relay.converse); the same refusal of a weak tier first."""
+    return relay.converse(_allowed_config(), programs, limits, referee)
