@@ -190,3 +190,11 @@ def test_the_referee_passes_only_a_verdict_with_checks_and_reports_refusals():
     ref = harness.Referee(["f"])
     with pytest.raises(Concluded):
         ref.closed("response")
+
+
+def test_a_long_conversation_is_bounded_per_message_not_in_total():
+    """300 answers of 1 KB each (300 KB, past the 64 KiB a message may take) score as their values say."""
+    row = {"test": "def check(candidate):\n    for i in range(300):\n        assert candidate(i) == str(i) * 1000\n",
+           "entry_point": "rep"}
+    assert code_tests("", "def rep(i):\n    return str(i) * 1000", row) == 1.0
+    assert code_tests("", "def rep(i):\n    return str(i) * (1000 if i < 299 else 999)", row) == 0.0

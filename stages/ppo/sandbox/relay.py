@@ -5,8 +5,9 @@ can reach another: every byte between them passes the referee, which forwards on
 
     converse(cfg, {"response": code, "judge": code}, limits, referee) -> Conversation
 
-One wall clock (`limits.wall_s`) bounds the whole conversation and one output cap (`limits.output_bytes`) what
-each run may write on stdout; stderr is kept up to the cap and otherwise dropped. Everything is killed when the
+One wall clock (`limits.wall_s`) bounds the whole conversation, and `limits.output_bytes` each line a run writes
+on stdout (a conversation's total is bounded by its questions and the clock); stderr is kept up to the cap and
+otherwise dropped. Everything is killed when the
 referee concludes, at the deadline, past a cap, or when a run ends first (the referee's `closed`).
 """
 
@@ -64,7 +65,7 @@ def converse(cfg: Config, programs: dict[str, str], limits: SandboxLimits, refer
 
 
 def _relay(runs: dict, deadline: float, cap: int, referee: Referee) -> tuple[Any, str, dict[str, bytearray]]:
-    owner, pending, partial, seen = {}, {}, {}, {}
+    owner, pending, partial = {}, {}, {}
     errs = {who: bytearray() for who in runs}
     with selectors.DefaultSelector() as sel:
         for who, (proc, _) in runs.items():
@@ -74,7 +75,7 @@ def _relay(runs: dict, deadline: float, cap: int, referee: Referee) -> tuple[Any
                 owner[stream.fileno()] = (who, kind)
             os.set_blocking(proc.stdin.fileno(), False)
             owner[proc.stdin.fileno()] = (who, "in")
-            pending[who], partial[who], seen[who] = b"", b"", 0
+            pending[who], partial[who] = b"", b""
         open_out, reaped = set(runs), set()
         try:
             while True:
@@ -99,11 +100,10 @@ def _relay(runs: dict, deadline: float, cap: int, referee: Referee) -> tuple[Any
                     if kind == "err":
                         errs[who] += chunk[:max(0, cap - len(errs[who]))]
                         continue
-                    seen[who] += len(chunk)
-                    if seen[who] > cap:
-                        return None, f"output limit ({who})", errs
                     partial[who] += chunk
                     *lines, partial[who] = partial[who].split(b"\n")
+                    if len(partial[who]) > cap or any(len(line) > cap for line in lines):
+                        return None, f"output limit ({who})", errs
                     for line in lines:
                         for target, data in referee.line(who, line):
                             pending[target] += data
