@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 # Scores every (kind, answer) of the corpus once in a fresh process of the checkout given: one JSON line of
-# {category: [seconds, ...]} and {category: refused count}. The corpus is read from this checkout (plain data).
+# {category: {row index: seconds}}, the scores alike, and {category: rows refused}. The corpus is read from this checkout (plain data).
 WORKER = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -41,7 +41,7 @@ def row_of(tests):
 code_tests("", "def f():\n    return 1", {"test": "assert f() == 1"})  # the tier's one-off probe, not timed
 times, refused, scores = {}, {}, {}
 for kind, rows in (("mbpp", corpus.MBPP), ("humaneval", corpus.HUMANEVAL)):
-    for tests, right, wrong in rows:
+    for i, (tests, right, wrong) in enumerate(rows):
         for answer, code in (("honest", right), ("wrong", wrong)):
             key = kind + " " + answer
             t0 = time.perf_counter()
@@ -50,8 +50,8 @@ for kind, rows in (("mbpp", corpus.MBPP), ("humaneval", corpus.HUMANEVAL)):
             except ValueError:
                 refused[key] = refused.get(key, 0) + 1
                 continue
-            times.setdefault(key, []).append(time.perf_counter() - t0)
-            scores.setdefault(key, []).append(score)
+            times.setdefault(key, {})[i] = time.perf_counter() - t0
+            scores.setdefault(key, {})[i] = score
 print(json.dumps({"times": times, "refused": refused, "scores": scores}))
 """
 
@@ -78,17 +78,34 @@ def p95(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
 
 
-def summary(passes: list[dict]) -> dict:
-    """Per category: the calls timed, median and p95 ms, the rows refused per pass, and the mean score."""
+def summary(passes: list[dict], rows: dict[str, set] | None = None) -> dict:
+    """Per category: the calls timed, median and p95 ms, the rows refused per pass, and the mean score; with
+    `rows`, only those rows (the ones both checkouts judged)."""
     out = {}
     for cat in CATEGORIES:
-        times = [t for p in passes for t in p["times"].get(cat, [])]
-        scores = [s for p in passes for s in p["scores"].get(cat, [])]
+        keep = (lambda i: i in rows[cat]) if rows is not None else (lambda i: True)
+        times = [t for p in passes for i, t in p["times"].get(cat, {}).items() if keep(i)]
+        scores = [s for p in passes for i, s in p["scores"].get(cat, {}).items() if keep(i)]
         out[cat] = {"calls": len(times), "median_ms": round(1000 * statistics.median(times), 1) if times else None,
                     "p95_ms": round(1000 * p95(times), 1) if times else None,
                     "refused_per_pass": passes[0]["refused"].get(cat, 0),
                     "mean_score": round(statistics.mean(scores), 3) if scores else None}
     return out
+
+
+def print_table(title: str, checkouts: dict, results: dict, ratio: bool) -> None:
+    print(f"\n{title}\n{'category':<18}" + "".join(f"{n + ' median / p95 ms':>32}" for n in checkouts) +
+          ("   median ratio" if ratio else ""))
+    for cat in CATEGORIES:
+        cells = []
+        for name in checkouts:
+            s = results[name][cat]
+            cells.append(f"refused ({s['refused_per_pass']} rows)" if s["median_ms"] is None else
+                         f"{s['median_ms']:.1f} / {s['p95_ms']:.1f} (n={s['calls']})")
+        note = ""
+        if ratio and results["this"][cat]["median_ms"] and results["against"][cat]["median_ms"]:
+            note = f"   {results['this'][cat]['median_ms'] / results['against'][cat]['median_ms']:.2f}x"
+        print(f"{cat:<18}" + "".join(f"{c:>32}" for c in cells) + note)
 
 
 def main() -> None:
@@ -111,18 +128,12 @@ def main() -> None:
             passes[name].append(one_pass(path))
             print(f"round {r + 1}/{args.rounds}: {name} done ({time.time() - t0:.0f} s)", flush=True)
     results = {name: summary(p) for name, p in passes.items()}
-    print(f"\n{'category':<18}" + "".join(f"{n + ' median / p95 ms':>32}" for n in checkouts) +
-          ("   median ratio" if args.against else ""))
-    for cat in CATEGORIES:
-        cells = []
-        for name in checkouts:
-            s = results[name][cat]
-            cells.append(f"refused ({s['refused_per_pass']} rows)" if s["median_ms"] is None else
-                         f"{s['median_ms']:.1f} / {s['p95_ms']:.1f} (n={s['calls']})")
-        ratio = ""
-        if args.against and results["this"][cat]["median_ms"] and results["against"][cat]["median_ms"]:
-            ratio = f"   {results['this'][cat]['median_ms'] / results['against'][cat]['median_ms']:.2f}x"
-        print(f"{cat:<18}" + "".join(f"{c:>32}" for c in cells) + ratio)
+    print_table("every row each checkout judged", checkouts, results, bool(args.against))
+    if args.against:  # like for like: the rows both judged
+        both = {cat: set.intersection(*[set(p[0]["times"].get(cat, {})) for p in passes.values()])
+                for cat in CATEGORIES}
+        results["common"] = {name: summary(p, both) for name, p in passes.items()}
+        print_table("the rows both checkouts judged", checkouts, results["common"], True)
     if args.json:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
                                          "command": " ".join(["bench/code_tests.py"] + sys.argv[1:]),
