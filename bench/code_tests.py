@@ -1,6 +1,7 @@
 """What the `code_tests` reward costs per scored response: median and p95 wall time of one `code_tests` call, on
 MBPP-style rows (top-level asserts) and HumanEval-style rows (`def check(candidate)`), for honest answers and
-honest wrong ones (tests/helpers/code_corpus.py: MBPP, HUMANEVAL), each in the sandbox tier this machine gives.
+honest wrong ones (tests/helpers/code_corpus.py: MBPP, HUMANEVAL), each in the sandbox tier this machine gives;
+and which attacks of the corpus (ATTACKS) each checkout scores 1.0.
 
 With `--against DIR` (another checkout, e.g. `git worktree add /tmp/before <commit>`) it scores the same corpus
 with that checkout's `code_tests` too, the two alternating in rounds (A B A B ...) in one invocation, so the ratio
@@ -52,7 +53,14 @@ for kind, rows in (("mbpp", corpus.MBPP), ("humaneval", corpus.HUMANEVAL)):
                 continue
             times.setdefault(key, {})[i] = time.perf_counter() - t0
             scores.setdefault(key, {})[i] = score
-print(json.dumps({"times": times, "refused": refused, "scores": scores}))
+passing = []  # the attack corpus, untimed: which attacks this checkout scores 1.0
+for name, (code, row) in corpus.ATTACKS.items():
+    try:
+        if code_tests("", code, row) == 1.0:
+            passing.append(name)
+    except ValueError:
+        pass
+print(json.dumps({"times": times, "refused": refused, "scores": scores, "attacks_passing": passing}))
 """
 
 CATEGORIES = ("mbpp honest", "mbpp wrong", "humaneval honest", "humaneval wrong")
@@ -71,6 +79,13 @@ def commit(checkout: Path) -> str:
     dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     return out.stdout.strip() + (" + uncommitted changes" if dirty else "")
+
+
+def corpus_attacks() -> dict:
+    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+    import code_corpus
+
+    return code_corpus.ATTACKS
 
 
 def p95(values: list[float]) -> float:
@@ -134,6 +149,10 @@ def main() -> None:
                 for cat in CATEGORIES}
         results["common"] = {name: summary(p, both) for name, p in passes.items()}
         print_table("the rows both checkouts judged", checkouts, results["common"], True)
+    print(f"\nattacks scoring 1.0 (tests/helpers/code_corpus.py, {len(corpus_attacks())} attacks):")
+    for name, p in passes.items():
+        results[name]["attacks_passing"] = p[0]["attacks_passing"]
+        print(f"  {name}: {len(p[0]['attacks_passing'])}" + "".join(f"\n    {a}" for a in p[0]["attacks_passing"]))
     if args.json:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
                                          "command": " ".join(["bench/code_tests.py"] + sys.argv[1:]),
