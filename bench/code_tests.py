@@ -1,6 +1,6 @@
 """What the `code_tests` reward costs per scored response: median and p95 wall time of one `code_tests` call, on
 MBPP-style rows (top-level asserts) and HumanEval-style rows (`def check(candidate)`), for honest answers and
-honest wrong ones (tests/helpers/code_corpus.py: MBPP, HUMANEVAL), each in the sandbox tier this machine gives;
+honest wrong ones (tests/code_corpus.py: MBPP, HUMANEVAL), each in the sandbox tier this machine gives;
 and which attacks of the corpus (ATTACKS) each checkout scores 1.0.
 
 With `--against DIR` (another checkout, e.g. `git worktree add /tmp/before <commit>`) it scores the same corpus
@@ -67,7 +67,7 @@ CATEGORIES = ("mbpp honest", "mbpp wrong", "humaneval honest", "humaneval wrong"
 
 
 def one_pass(checkout: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(checkout), str(ROOT / "tests" / "helpers")],
+    out = subprocess.run([sys.executable, "-c", WORKER, str(checkout), str(ROOT / "tests")],
                          capture_output=True, text=True, timeout=1800, cwd=checkout)
     if out.returncode != 0:
         raise SystemExit(f"scoring with {checkout} failed:\n{out.stderr[-3000:]}")
@@ -82,7 +82,7 @@ def commit(checkout: Path) -> str:
 
 
 def corpus_attacks() -> dict:
-    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+    sys.path.insert(0, str(ROOT / "tests"))
     import code_corpus
 
     return code_corpus.ATTACKS
@@ -149,7 +149,7 @@ def main() -> None:
                 for cat in CATEGORIES}
         results["common"] = {name: summary(p, both) for name, p in passes.items()}
         print_table("the rows both checkouts judged", checkouts, results["common"], True)
-    print(f"\nattacks scoring 1.0 (tests/helpers/code_corpus.py, {len(corpus_attacks())} attacks):")
+    print(f"\nattacks scoring 1.0 (tests/code_corpus.py, {len(corpus_attacks())} attacks):")
     for name, p in passes.items():
         results[name]["attacks_passing"] = p[0]["attacks_passing"]
         print(f"  {name}: {len(p[0]['attacks_passing'])}" + "".join(f"\n    {a}" for a in p[0]["attacks_passing"]))

@@ -1,5 +1,5 @@
 """The `code_tests` verdict (issue 67; docs/security.md): decided by a judge's run that runs nothing the response
-chose. The attack corpus (tests/helpers/code_corpus.py) scores 0 attack by attack; honest answers score 1 and
+chose. The attack corpus (tests/code_corpus.py) scores 0 attack by attack; honest answers score 1 and
 honest wrong ones 0 on MBPP-style and HumanEval-style rows; rows that cannot be judged are the reward's error
 naming the row. Then the parts, without a sandbox: the value codec and the strict comparison, the plan made from
 the tests alone, the referee between the two runs. No Ray."""
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from helpers import code_corpus as corpus
+import code_corpus as corpus
 from stages.ppo.sandbox import SandboxLimits, code_tests, harness, programs, values, verdict
 from stages.ppo.sandbox.relay import Concluded
 

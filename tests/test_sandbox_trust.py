@@ -252,7 +252,7 @@ def test_the_python_tool_logs_its_tier_and_describe_gives_mlflow_params(capsys, 
 
 
 # --------------------------------------------------------------------------- 5: gaming the reward
-# tests/test_code_tests.py: the attack corpus (tests/helpers/code_corpus.py) and the verdict's parts (issue 67).
+# tests/test_code_tests.py: the attack corpus (tests/code_corpus.py) and the verdict's parts (issue 67).
 
 
 # --------------------------------------------------------------------------- 6: extract_code is linear
