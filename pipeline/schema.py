@@ -26,6 +26,16 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True)
 
 
+def key_errors(title: str, problems: list[tuple[str, Any, str]]) -> ValidationError:
+    """One validation error per (dotted key, value, why) of a raw mapping, each at the key's own path (so the message
+    names `stages.serve.engine.extra.trust_remote_code`, not the mapping)."""
+    from pydantic_core import InitErrorDetails, PydanticCustomError
+
+    return ValidationError.from_exception_data(title, [InitErrorDetails(
+        type=PydanticCustomError("value_error", "{why}", {"why": why}), loc=tuple(key.split(".")), input=value)
+        for key, value, why in problems])
+
+
 def apply_override(data: dict, path: list[str], value: Any) -> None:
     node = data
     for i, part in enumerate(path[:-1]):

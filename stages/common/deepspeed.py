@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.schema import Section
+from pipeline.schema import Section, key_errors
 
 
 class DeepSpeedSection(Section):
@@ -36,14 +36,8 @@ class DeepSpeedSection(Section):
     @classmethod
     def _checkpoint_loads_stay_safe(cls, extra: dict[str, Any]) -> dict[str, Any]:
         problems = unsafe_checkpoint_keys(extra)
-        if problems:
-            from pydantic import ValidationError
-            from pydantic_core import InitErrorDetails, PydanticCustomError
-
-            # One error per key, each at its own path: stages.sft.deepspeed.extra.checkpoint.load_universal.
-            raise ValidationError.from_exception_data("DeepSpeedSection", [InitErrorDetails(
-                type=PydanticCustomError("value_error", "{why}", {"why": why}), loc=tuple(key.split(".")), input=value)
-                for key, value, why in problems])
+        if problems:  # each at its own path: stages.sft.deepspeed.extra.checkpoint.load_universal
+            raise key_errors("DeepSpeedSection", problems)
         return extra
 
     @model_validator(mode="after")

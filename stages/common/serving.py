@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from pipeline.schema import Section
+from pipeline.schema import Section, key_errors
 
 # Engine arguments the project decides and `extra` may not reopen: model code from the checkpoint, and the weights'
 # format (pickle weights can run code when loaded).
@@ -46,13 +46,7 @@ class EngineConfig(Section):
     def _pinned_keys_stay_pinned(cls, extra: dict[str, Any]) -> dict[str, Any]:
         problems = pinned_keys(extra)
         if problems:
-            from pydantic import ValidationError
-            from pydantic_core import InitErrorDetails, PydanticCustomError
-
-            # One error per key, at its own path: stages.serve.engine.extra.trust_remote_code.
-            raise ValidationError.from_exception_data("EngineConfig", [InitErrorDetails(
-                type=PydanticCustomError("value_error", "{why}", {"why": why}), loc=(key,), input=value)
-                for key, value, why in problems])
+            raise key_errors("EngineConfig", problems)  # each at its path: stages.serve.engine.extra.load_format
         return extra
 
 

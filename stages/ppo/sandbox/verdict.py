@@ -69,30 +69,22 @@ def _parse(code: str, what: str, row: str) -> ast.Module:
         raise ValueError(f"{row}: its {what} does not parse: {exc}") from None
 
 
-def _module_bindings(code: str) -> set[str]:
-    """Every name a module binds at module level, wherever in it (symtable: assignments, imports, defs, loop
-    targets, names declared global in its functions)."""
+def _globals(code: str) -> tuple[set[str], set[str]]:
+    """(bound, read): the names a module binds at module level, wherever in it (assignments, imports, defs, loop
+    targets, names its functions declare global), and every global name its code reads (at module level, and the
+    free names of its functions, classes, lambdas and comprehensions that no enclosing function binds)."""
     table = symtable.symtable(code, "<test>", "exec")
     bound = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    read = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
     todo = list(table.get_children())
     while todo:
         child = todo.pop()
         todo.extend(child.get_children())
-        bound |= {s.get_name() for s in child.get_symbols() if s.is_declared_global() and s.is_assigned()}
-    return bound
-
-
-def _global_loads(code: str) -> set[str]:
-    """Every global name the module's code reads: at module level, and free names of its functions, classes,
-    lambdas and comprehensions that no enclosing function binds."""
-    table = symtable.symtable(code, "<test>", "exec")
-    loads = {s.get_name() for s in table.get_symbols() if s.is_referenced()}
-    todo = list(table.get_children())
-    while todo:
-        child = todo.pop()
-        todo.extend(child.get_children())
-        loads |= {s.get_name() for s in child.get_symbols() if s.is_referenced() and s.is_global()}
-    return loads
+        for s in child.get_symbols():
+            if s.is_global():
+                bound |= {s.get_name()} if s.is_declared_global() and s.is_assigned() else set()
+                read |= {s.get_name()} if s.is_referenced() else set()
+    return bound, read
 
 
 def _only_as_module(name: str, tree: ast.AST) -> bool:
@@ -196,8 +188,9 @@ def plan(setup: str, tests: list[str], row: dict) -> Plan:
                          "give the row asserts on the function under test")
     try:
         text = ast.unparse(tree)
-        bound = _module_bindings(text) | _module_bindings(setup)
-        loads = _global_loads(text)
+        bound, loads = _globals(text)
+        setup_bound = _globals(setup)[0]
+        bound |= setup_bound
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise ValueError(f"{name}: its tests cannot be analysed: {exc}") from None
     free = sorted(loads - bound - BUILTIN_NAMES)
@@ -208,7 +201,7 @@ def plan(setup: str, tests: list[str], row: dict) -> Plan:
                          "builtin or a module); a HumanEval-style `def check(candidate)` needs the row's "
                          "`entry_point` or a `check(<function>)` line")
     _refuse_code(tree, bound, name)
-    _refuse_code(setup_tree, _module_bindings(setup), name)
+    _refuse_code(setup_tree, setup_bound, name)
     constants = sorted({n.value for t in (tree, setup_tree) for n in ast.walk(t)
                         if isinstance(n, ast.Constant) and type(n.value) in (str, bytes)}, key=repr)
     mentioned = {n.id for t in (tree, setup_tree) for n in ast.walk(t) if isinstance(n, ast.Name)}
