@@ -376,6 +376,20 @@ def test_requests_without_max_tokens_get_the_limit_from_the_engine(tmp_path):
     assert llm.deployment_config["health_check_period_s"] == HEALTH_CHECK_PERIOD_S
 
 
+def test_the_serve_config_validates_for_a_gpu_against_rays_own_llm_config(tmp_path):
+    """Issue 68: Ray's LLMConfig knows the kinds cpu, gpu and tpu; "cuda" was refused, so serving refused its own
+    config on every GPU machine. Built as the stage builds it, the replica asks Ray for a GPU (or a CPU) bundle."""
+    from stages.serve import ServeConfig
+    from stages.serve.app import llm_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 128}))
+    for gpu, kind, bundle in ((True, "gpu", {"GPU": 1}), (False, "cpu", {"CPU": 1})):
+        llm = llm_config(ServeConfig(), tmp_path, gpu=gpu)
+        assert llm.accelerator_config.kind == kind
+        assert llm.get_engine_config().placement_bundles == [bundle]
+        assert llm.engine_kwargs["enforce_eager"] is not gpu  # CUDA graphs on a GPU
+
+
 def test_pure_helpers():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([5.0], 95) == 5.0

@@ -155,7 +155,7 @@ def llm_config(cfg: ServeConfig, model_dir: Path, gpu: bool, seed: int = 0, adap
         model_loading_config={"model_id": cfg.served_name(), "model_source": str(model_dir)},
         lora_config=lora,
         # Without it the config assumes a GPU and its placement group never schedules on a CPU machine.
-        accelerator_config={"kind": "cuda" if gpu else "cpu"},
+        accelerator_config={"kind": "gpu" if gpu else "cpu"},  # Ray's kinds: cpu, gpu, tpu (not "cuda")
         engine_kwargs=kwargs,
         runtime_env={"env_vars": engine_env(cfg.engine, gpu)},
         deployment_config={"num_replicas": cfg.replicas, "ray_actor_options": {"num_cpus": 1},
