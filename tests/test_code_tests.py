@@ -198,3 +198,10 @@ def test_a_long_conversation_is_bounded_per_message_not_in_total():
            "entry_point": "rep"}
     assert code_tests("", "def rep(i):\n    return str(i) * 1000", row) == 1.0
     assert code_tests("", "def rep(i):\n    return str(i) * (1000 if i < 299 else 999)", row) == 0.0
+
+
+def test_a_row_without_an_id_is_named_by_its_tests():
+    with pytest.raises(ValueError, match="the row whose test_list begins 'import math': its tests hold no check"):
+        code_tests("", "def f():\n    return 1", {"test_list": ["import math"]})
+    with pytest.raises(ValueError, match="the row whose prompt begins 'Write f': it has no tests"):
+        code_tests("", "def f():\n    return 1", {"prompt": "Write f"})

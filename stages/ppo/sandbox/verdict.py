@@ -165,11 +165,17 @@ def _with_entry_point(tree: ast.Module, entry_point: str | None, row: str) -> as
 
 
 def row_name(row: dict) -> str:
-    """How an error names a row: its task_id (MBPP, HumanEval), else its first test line."""
+    """How an error names a row: its task_id (MBPP, HumanEval), id or name, else the start of its tests, else its
+    prompt."""
     for key in ("task_id", "id", "name"):
         if row.get(key) not in (None, ""):
             return f"row {row[key]!r}"
-    return "the row"
+    for key in ("test_list", "tests", "test", "prompt"):
+        value = row.get(key)
+        first = value if isinstance(value, str) else next(iter(value), "") if hasattr(value, "__iter__") else ""
+        if str(first).strip():
+            return f"the row whose {key} begins {str(first).strip()[:60]!r}"
+    return "a row without tests or prompt"
 
 
 def plan(setup: str, tests: list[str], row: dict) -> Plan:
