@@ -558,6 +558,8 @@ def test_engines_load_safetensors_only_and_every_served_model_passes_the_safety_
     for stage in ("serve", "batch_infer"):
         with pytest.raises(UserError, match=f"stages.{stage}.engine.extra.trust_remote_code: not allowed in extra"):
             smoke_config(tmp_path, f"stages.{stage}.engine.extra.trust_remote_code=true")
+    with pytest.raises(UserError, match="stages.sft.deepspeed.extra.load_format: not allowed in extra"):
+        smoke_config(tmp_path, "stages.sft.deepspeed.extra.load_format=pt")  # nor in DeepSpeed's raw mapping
     with pytest.raises(UserError, match="only pickle weights"):  # `pipeline serve --model DIR`, batch-infer
         model_registry.fetch(str(model), "sqlite:///unused.db", tmp_path / "cache")
 

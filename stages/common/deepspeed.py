@@ -67,6 +67,10 @@ def unsafe_checkpoint_keys(extra: dict[str, Any]) -> list[tuple[str, Any, str]]:
     if "nebula" in extra:
         problems.append(("nebula", extra["nebula"], "not supported: DeepSpeed 0.19 removed Nebula checkpointing "
                          "(it refuses the key when the engine starts); remove it"))
+    for key, value in extra.items():  # what the project pins for every model load (as engine.extra refuses them)
+        if str(key).strip().lower().replace("-", "_") in ("trust_remote_code", "load_format"):
+            problems.append((str(key), value, "not allowed in extra: models load from safetensors only and never "
+                             "run code shipped in a checkpoint; remove it"))
     return problems
 
 
