@@ -18,7 +18,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from stages.ppo.sandbox import programs, values
+import stages.ppo.sandbox.programs as programs
+import stages.ppo.sandbox.values as values
 from stages.ppo.sandbox.process import SandboxLimits
 from stages.ppo.sandbox.relay import Concluded
 from stages.ppo.sandbox.tiers import converse

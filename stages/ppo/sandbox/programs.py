@@ -19,7 +19,7 @@ Both talk in JSON lines through the caller (harness.Referee), which checks and r
 
 from __future__ import annotations
 
-from stages.ppo.sandbox import values
+import stages.ppo.sandbox.values as values
 from stages.ppo.sandbox.verdict import ASSERT, CHAIN, CMP, Plan
 
 
