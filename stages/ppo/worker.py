@@ -39,15 +39,18 @@ def _response_slice(batch: dict, x):
     return x[:, p - 1 : p - 1 + t]
 
 
-def _micro_batches(batch: dict, size: int, generator):
-    """Shuffled micro-batches of `size` rows (tensor entries sliced, scalars kept)."""
+def _micro_batches(batch: dict, size: int, generator, device):
+    """Shuffled micro-batches of `size` rows (tensor entries sliced, scalars kept), each on `device`: the driver's
+    batches are CPU tensors, the model's device may be a GPU (stages/ppo/devices.py)."""
     import torch
+
+    from stages.ppo.devices import to_device
 
     n = batch["input_ids"].shape[0]
     order = torch.randperm(n, generator=generator)
     for i in range(0, n - size + 1, size):
         idx = order[i : i + size]
-        yield {k: (v[idx] if torch.is_tensor(v) else v) for k, v in batch.items()}
+        yield to_device({k: (v[idx] if torch.is_tensor(v) else v) for k, v in batch.items()}, device)
 
 
 class PPOWorker(Workhorse):
@@ -76,6 +79,7 @@ class PPOWorker(Workhorse):
         import torch
 
         from stages.common import lora
+        from stages.ppo.devices import process_device
         from stages.common.models import count_parameters, load_model, load_tokenizer, saved_heads, single_head
 
         t1 = time.time()
@@ -100,15 +104,17 @@ class PPOWorker(Workhorse):
         if self.kind == "reward":
             self.tokenizer = load_tokenizer(spec["model_dir"])
         self.reference = None  # reference.colocate: a frozen copy of the SFT policy beside the trained one
-        if spec.get("reference_dir"):
-            self.reference = load_model(spec["reference_dir"], "causal", None).requires_grad_(False).eval()
+        if spec.get("reference_dir"):  # on the rank's device, as the policy is (a no-op on a CPU)
+            self.reference = load_model(spec["reference_dir"], "causal", None).requires_grad_(False).eval().to(
+                process_device())
         t2 = time.time()
         if spec["trainable"]:
             trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
             self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec["ds_config"])
         elif plain:
             bf16 = spec["ds_config"].get("bf16", {}).get("enabled", False)  # what DeepSpeed would have cast it to
-            self.engine = model.requires_grad_(False).to(torch.bfloat16 if bf16 else model.dtype).eval()
+            dtype = torch.bfloat16 if bf16 else model.dtype
+            self.engine = model.requires_grad_(False).to(process_device(), dtype).eval()
         else:
             model.requires_grad_(False)
             self.engine, *_ = deepspeed.initialize(model=model, config=spec["ds_config"])
@@ -167,11 +173,14 @@ class PPOWorker(Workhorse):
         return _response_slice(batch, module.score(hidden)).squeeze(-1).float()
 
     def logprobs(self, batch: dict, micro: int, model=None):
-        """log p(response token) under this model (or `model`), (B, T); no gradient."""
+        """log p(response token) under this model (or `model`), (B, T), on the CPU; no gradient."""
         import torch
 
+        from stages.ppo.devices import device_of, to_cpu
+
+        device = device_of(model or self.engine)
         with torch.no_grad():
-            return torch.cat([self._logprobs(b, model=model) for b in _chunks(batch, micro)])
+            return to_cpu(torch.cat([self._logprobs(b, model=model) for b in _chunks(batch, micro, device)]))
 
     def ref_logprobs(self, batch: dict, micro: int):
         """The reference's log-probs computed on a policy rank: with the colocated copy, or on a LoRA policy
@@ -182,21 +191,27 @@ class PPOWorker(Workhorse):
             return self.logprobs(batch, micro)
 
     def values(self, batch: dict, micro: int):
+        """V(s) before each response token, (B, T), on the CPU; no gradient."""
         import torch
 
+        from stages.ppo.devices import device_of, to_cpu
+
+        device = device_of(self.engine)
         with torch.no_grad():
-            return torch.cat([self._values(b) for b in _chunks(batch, micro)])
+            return to_cpu(torch.cat([self._values(b) for b in _chunks(batch, micro, device)]))
 
     def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[list[float]]:
         """Reward-model scores of each (prompt, response), formatted as in its training data: one per head."""
+        from stages.ppo.devices import on_device
         from stages.common.training import reward_scores
 
-        return reward_scores(self.engine, self.tokenizer, pairs, micro)
+        return reward_scores(on_device(self.engine), self.tokenizer, pairs, micro)  # its CPU batches to the model
 
     # --------------------------------------------------------------- training
 
     def train_policy(self, batch: dict, hp: dict) -> dict[str, float]:
         """`hp['epochs']` passes of clipped-PPO updates over this rank's rollouts."""
+        from stages.ppo.devices import device_of
         from stages.ppo.losses import policy_loss
         from stages.ppo.rl import kl_penalty, masked_mean
 
@@ -204,7 +219,7 @@ class PPOWorker(Workhorse):
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_frac": [], "approx_kl": [], "entropy": []}
         t0 = time.time()
         for _ in range(hp["epochs"]):
-            for mb in _micro_batches(batch, hp["micro"], self.generator):
+            for mb in _micro_batches(batch, hp["micro"], self.generator, device_of(self.engine)):
                 mask = mb["response_mask"]
                 logp, entropy = self._logprobs(mb, with_entropy=True)
                 # group estimators: the KL to the reference in the loss (k3, per token), not in the reward
@@ -225,13 +240,14 @@ class PPOWorker(Workhorse):
         return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, "policy_train_s": time.time() - t0}
 
     def train_critic(self, batch: dict, hp: dict) -> dict[str, float]:
+        from stages.ppo.devices import device_of
         from stages.ppo.losses import value_loss
 
         self.engine.train()
         losses, clipped = [], []
         t0 = time.time()
         for _ in range(hp["epochs"]):
-            for mb in _micro_batches(batch, hp["micro"], self.generator):
+            for mb in _micro_batches(batch, hp["micro"], self.generator, device_of(self.engine)):
                 loss, s = value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["response_mask"],
                                      hp["value_clip"])
                 self.engine.backward(loss)
@@ -294,13 +310,15 @@ class PPOWorker(Workhorse):
             self.storage.push_path(directory)
 
 
-def _chunks(batch: dict, size: int):
-    """Consecutive row chunks of `size` (order kept, last one may be short)."""
+def _chunks(batch: dict, size: int, device):
+    """Consecutive row chunks of `size` (order kept, last one may be short), each on `device`."""
     import torch
+
+    from stages.ppo.devices import to_device
 
     n = batch["input_ids"].shape[0]
     for i in range(0, n, size):
-        yield {k: (v[i : i + size] if torch.is_tensor(v) else v) for k, v in batch.items()}
+        yield to_device({k: (v[i : i + size] if torch.is_tensor(v) else v) for k, v in batch.items()}, device)
 
 
 def shard_batch(batch: dict, n: int) -> list[dict]:
