@@ -124,3 +124,25 @@ def test_a_process_computes_on_the_device_it_was_given(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert devices.process_device() == torch.device("cuda", 0)
+
+
+def test_the_optimizer_needs_no_compiler_on_a_gpu_and_is_unchanged_on_a_cpu(monkeypatch):
+    """DeepSpeed's own choice (`DeepSpeedEngine.get_optimizer_configuration`) for the config a rank initialises:
+    torch's AdamW on a CUDA device (FusedAdam JIT-compiles CUDA code with nvcc), as before on a CPU (its FusedAdam
+    is the CPU op built at set-up). A user's own torch_adam in deepspeed.extra is kept."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from stages.common.deepspeed import DeepSpeedSection, engine_config, for_device
+
+    def chosen(config: dict):
+        engine = SimpleNamespace(zero_use_cpu_optimizer=lambda: False, zenflow=False)
+        return DeepSpeedEngine.get_optimizer_configuration(engine, dict(config["optimizer"]["params"]), True)[0]
+
+    config = engine_config(DeepSpeedSection(), micro=2, ranks=1, bf16=True, lr=1e-4)
+    assert chosen(for_device(config, torch.device("cuda", 0))) is torch.optim.AdamW
+    assert for_device(config, torch.device("cpu")) == config and chosen(config).__name__ == "FusedAdam"
+    frozen = engine_config(DeepSpeedSection(), micro=2, ranks=1, bf16=True)  # no optimizer: nothing to choose
+    assert for_device(frozen, torch.device("cuda", 0)) == frozen
+    own = engine_config(DeepSpeedSection(extra={"optimizer": {"params": {"torch_adam": False}}}), 2, 1, True, lr=1e-4)
+    assert for_device(own, torch.device("cuda", 0))["optimizer"]["params"]["torch_adam"] is False

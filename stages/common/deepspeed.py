@@ -384,6 +384,18 @@ def engine_config(ds: DeepSpeedSection, micro: int, ranks: int, bf16: bool, batc
     return merge(config, ds.extra)
 
 
+def for_device(ds_config: dict, device) -> dict:
+    """`ds_config` as the process that computes on `device` initialises it (issue 68). On a CUDA device AdamW is
+    torch's (`torch_adam`): without it DeepSpeed picks FusedAdam, whose CUDA kernel is JIT-compiled with nvcc,
+    which neither the install nor the image provides (and each rank would build it). On a CPU the config is
+    unchanged: DeepSpeed's CPU FusedAdam is built at set-up with gcc, and the CPU path stays as measured. A user's
+    own `torch_adam` in `deepspeed.extra` is kept."""
+    params = ds_config.get("optimizer", {}).get("params")
+    if getattr(device, "type", str(device)) != "cuda" or params is None or "torch_adam" in params:
+        return ds_config
+    return merge(ds_config, {"optimizer": {"params": {"torch_adam": True}}})
+
+
 def deepspeed_config(cfg: TrainingConfig, total_steps: int, bf16: bool) -> dict:
     """The DeepSpeed config dict for a Ray Train run of `total_steps` optimizer steps."""
     return engine_config(cfg.deepspeed, cfg.micro_batch_size, cfg.num_workers, bf16, cfg.batch_size, cfg.lr,

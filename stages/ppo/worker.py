@@ -109,8 +109,11 @@ class PPOWorker(Workhorse):
                 process_device())
         t2 = time.time()
         if spec["trainable"]:
+            from stages.common.deepspeed import for_device
+
             trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
-            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=spec["ds_config"])
+            config = for_device(spec["ds_config"], process_device())  # no compiler needed on a GPU
+            self.engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
         elif plain:
             bf16 = spec["ds_config"].get("bf16", {}).get("enabled", False)  # what DeepSpeed would have cast it to
             dtype = torch.bfloat16 if bf16 else model.dtype
