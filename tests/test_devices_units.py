@@ -146,3 +146,15 @@ def test_the_optimizer_needs_no_compiler_on_a_gpu_and_is_unchanged_on_a_cpu(monk
     assert for_device(frozen, torch.device("cuda", 0)) == frozen
     own = engine_config(DeepSpeedSection(extra={"optimizer": {"params": {"torch_adam": False}}}), 2, 1, True, lr=1e-4)
     assert for_device(own, torch.device("cuda", 0))["optimizer"]["params"]["torch_adam"] is False
+
+
+def test_an_engines_memory_share_follows_where_it_runs():
+    """Issue 68: 0.3 of a GPU an engine has to itself wasted most of it. Configured: as configured."""
+    from stages.ppo.config import PPOConfig
+
+    rollout = PPOConfig().rollout
+    assert rollout.memory_share("separate", gpu=True) == 0.9  # its own GPU
+    assert rollout.memory_share("colocated", gpu=True) == 0.3  # beside the rank's training, as TRL's colocate mode
+    assert rollout.memory_share("separate", gpu=False) == rollout.memory_share("colocated", gpu=False) == 0.3  # RAM
+    assert PPOConfig.model_validate({"rollout": {"gpu_memory_utilization": 0.5}}).rollout.memory_share(
+        "separate", gpu=True) == 0.5

@@ -33,8 +33,9 @@ def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], sampling
 
     per_model = [[list(p) for p in ids] for ids in (own_prompt_ids or [prompt_ids] * len(model_dirs))]
     longest = max(s["max_tokens"] for s in samplings)
-    spec = EngineSpec(max_model_len=max(len(p) for ids in per_model for p in ids) + longest, seed=seed,
-                      gpu=use_gpu(), storage=storage)
+    gpu = use_gpu()
+    spec = EngineSpec(max_model_len=max(len(p) for ids in per_model for p in ids) + longest, seed=seed, gpu=gpu,
+                      gpu_memory_utilization=0.9 if gpu else 0.3, storage=storage)  # on a GPU it has to itself
     actor = ray.remote(RolloutEngine).options(num_cpus=spec.num_cpus, num_gpus=1 if spec.gpu else 0,
                                               runtime_env=spec.runtime_env())
     outs: list = []

@@ -97,7 +97,10 @@ class RolloutConfig(Section):
     num_engines: int = Field(2, ge=1, description="vLLM engines, one Ray actor each.")
     cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs each engine reserves.")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM's memory fraction (of CPU memory on CPU).")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM's memory fraction of its device "
+                                                 "(of CPU memory on CPU). Empty: 0.3 on CPU; on GPUs 0.9 in the "
+                                                 "separate layout (each engine has its GPU to itself) and 0.3 in the "
+                                                 "colocated one (the engine shares its rank's GPU with training).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "SPREAD", description="Ray placement strategy of the engines' bundles.")
     sleep_mode: bool = Field(False, description="layout colocated on GPUs: each rank's engine releases its weights "
@@ -105,6 +108,12 @@ class RolloutConfig(Section):
                              "before it generates, so trainer and engine share the rank's GPU; "
                              "gpu_memory_utilization is then the engine's share of that GPU while it is awake. "
                              "Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
+
+    def memory_share(self, layout: str, gpu: bool) -> float:
+        """The engine's `gpu_memory_utilization`: the configured one, else by where it runs (the field's doc)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return 0.9 if gpu and layout == "separate" else 0.3
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""

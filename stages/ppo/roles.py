@@ -192,7 +192,8 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         s.env_budget = ErrorBudget(f"the environment {cfg.environment.name}", cfg.rewards.max_error_share, "episodes")
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
-                      gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, num_cpus=cfg.rollout.cpus_per_engine,
+                      gpu_memory_utilization=cfg.rollout.memory_share(cfg.layout, gpu),
+                      num_cpus=cfg.rollout.cpus_per_engine,
                       storage=ctx.storage, env=allowance_env())  # the python tool's run_python
     try:
         roles = [("policy", cfg.policy, "causal", sft, True)]
