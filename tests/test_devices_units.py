@@ -151,10 +151,11 @@ def test_the_optimizer_needs_no_compiler_on_a_gpu_and_is_unchanged_on_a_cpu(monk
 def test_an_engines_memory_share_follows_where_it_runs():
     """Issue 68: 0.3 of a GPU an engine has to itself wasted most of it. Configured: as configured."""
     from stages.ppo.config import PPOConfig
+    from stages.ppo.roles import memory_share
 
     rollout = PPOConfig().rollout
-    assert rollout.memory_share("separate", gpu=True) == 0.9  # its own GPU
-    assert rollout.memory_share("colocated", gpu=True) == 0.3  # beside the rank's training, as TRL's colocate mode
-    assert rollout.memory_share("separate", gpu=False) == rollout.memory_share("colocated", gpu=False) == 0.3  # RAM
-    assert PPOConfig.model_validate({"rollout": {"gpu_memory_utilization": 0.5}}).rollout.memory_share(
-        "separate", gpu=True) == 0.5
+    assert memory_share(rollout, "separate", gpu=True) == 0.9  # its own GPU
+    assert memory_share(rollout, "colocated", gpu=True) == 0.3  # beside the rank's training, as TRL's colocate mode
+    assert memory_share(rollout, "separate", gpu=False) == memory_share(rollout, "colocated", gpu=False) == 0.3  # RAM
+    assert memory_share(PPOConfig.model_validate({"rollout": {"gpu_memory_utilization": 0.5}}).rollout,
+                        "separate", gpu=True) == 0.5

@@ -97,10 +97,8 @@ class RolloutConfig(Section):
     num_engines: int = Field(2, ge=1, description="vLLM engines, one Ray actor each.")
     cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs each engine reserves.")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM's memory fraction of its device "
-                                                 "(of CPU memory on CPU). Empty: 0.3 on CPU; on GPUs 0.9 in the "
-                                                 "separate layout (each engine has its GPU to itself) and 0.3 in the "
-                                                 "colocated one (the engine shares its rank's GPU with training).")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="vLLM's memory fraction (of RAM on "
+                                                 "CPU). Empty: 0.9 of a separate engine's own GPU, else 0.3.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "SPREAD", description="Ray placement strategy of the engines' bundles.")
     sleep_mode: bool = Field(False, description="layout colocated on GPUs: each rank's engine releases its weights "
@@ -108,12 +106,6 @@ class RolloutConfig(Section):
                              "before it generates, so trainer and engine share the rank's GPU; "
                              "gpu_memory_utilization is then the engine's share of that GPU while it is awake. "
                              "Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
-
-    def memory_share(self, layout: str, gpu: bool) -> float:
-        """The engine's `gpu_memory_utilization`: the configured one, else by where it runs (the field's doc)."""
-        if self.gpu_memory_utilization is not None:
-            return self.gpu_memory_utilization
-        return 0.9 if gpu and layout == "separate" else 0.3
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""
@@ -216,13 +208,10 @@ class RewardMix(Section):
 
     model_weight: float = Field(0.0, description="Weight of the reward model's score (0: the reward model is not loaded).")
     rule_weight: float = Field(1.0, description="Weight of the rule reward.")
-    rule: str = Field("verifier", description="'verifier' (1 if the task verifier, task.verifier, accepts the "
-                      "answer, else 0), 'code_tests' (the response's Python judged by the row's tests: MBPP's "
-                      "`test_list` / `tests`, or HumanEval's `test` with `entry_point`; 1 if every check passes, "
-                      "decided by a sandboxed judge that runs none of the response's code; docs/security.md) or "
-                      "'module:function' naming any of prompt, "
-                      "response, answer, row or your prompt columns as parameters (may be async) and returning a "
-                      "float (stages/ppo/rewards.py).")
+    rule: str = Field("verifier", description="'verifier' (1 if task.verifier accepts the answer, else 0), "
+                      "'code_tests' (the response's Python judged by the row's MBPP or HumanEval tests in a sandbox: 1 "
+                      "if every check passes; docs/security.md) or 'module:function' naming any of prompt, response, "
+                      "answer, row or your prompt columns as parameters (may be async), returning a float.")
     workers: int = Field(2, ge=1, description="Ray actors that run a 'module:function' or code_tests rule reward, "
                          "or a 'module:function' task.verifier, in parallel (a built-in verifier runs in the driver).")
     timeout_s: float = Field(30.0, gt=0, description="Per call of a 'module:function' or code_tests rule reward: "

@@ -93,6 +93,13 @@ def _check_cluster(cfg: PPOConfig) -> None:
                         "ranks, or a larger cluster (ray.num_cpus for a local one)")
 
 
+def memory_share(rollout, layout: str, gpu: bool) -> float:
+    """An engine's `gpu_memory_utilization`: the configured one, else by where it runs (rollout's field doc)."""
+    if rollout.gpu_memory_utilization is not None:
+        return rollout.gpu_memory_utilization
+    return 0.9 if gpu and layout == "separate" else 0.3
+
+
 def role_spec(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool, pad_id: int,
               seed: int, run_storage) -> dict:
     """What a PPOWorker rank of `role` sets up with (`PPOWorker.setup`): its model, DeepSpeed config and LoRA."""
@@ -192,7 +199,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         s.env_budget = ErrorBudget(f"the environment {cfg.environment.name}", cfg.rewards.max_error_share, "episodes")
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
     spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
-                      gpu_memory_utilization=cfg.rollout.memory_share(cfg.layout, gpu),
+                      gpu_memory_utilization=memory_share(cfg.rollout, cfg.layout, gpu),
                       num_cpus=cfg.rollout.cpus_per_engine,
                       storage=ctx.storage, env=allowance_env())  # the python tool's run_python
     try:
