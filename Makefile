@@ -27,10 +27,11 @@ test-all: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow" --durations=15
 
-# Build the CPU container image with podman (no registry needed) and run the smoke pipeline in it: about
-# 25 minutes as root, not part of `make test` (scripts/image_check.sh, docs/install.md).
+# Build the container image with podman (no registry needed) and run the smoke pipeline in it: about 25 minutes
+# as root, not part of `make test` (scripts/image_check.sh, docs/install.md). EXTRA=gpu builds the GPU image and
+# checks what a machine without a GPU can (the CUDA builds installed), saying what it could not.
 image-check:
-	bash scripts/image_check.sh
+	EXTRA=$(EXTRA) bash scripts/image_check.sh
 
 bench: setup
 	$(PY) bench/data_bench.py

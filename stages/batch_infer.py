@@ -277,10 +277,10 @@ def processor(cfg: BatchInferConfig, model_dir: Path, seed: int):
 
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    from stages.common.deepspeed import use_gpu
+    from stages.common.devices import cluster_gpus
     from stages.common.serving import engine_env, engine_kwargs
 
-    gpu = use_gpu()
+    gpu = cluster_gpus() > 0  # the cluster's GPUs, not this driver's (stages/common/devices.py)
     config = vLLMEngineProcessorConfig(
         model_source=str(model_dir),
         engine_kwargs=engine_kwargs(cfg.engine, model_dir, gpu, seed),

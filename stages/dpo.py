@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 from pipeline import events
 from pipeline.errors import UserError
 from stages.common import train_loop
-from stages.common.deepspeed import TrainingConfig, needs_sft, without_sft
+from stages.common.deepspeed import TrainingConfig, train_check, without_sft
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -448,8 +448,8 @@ def task_accuracy(start: Path, tuned: Path, rows: list[dict], cfg: DPOConfig, ve
 
 
 def check(pipeline_cfg) -> None:
-    """`init_from: sft` needs an sft stage."""
-    needs_sft("dpo", pipeline_cfg)
+    """`init_from: sft` needs an sft stage; a local Ray with GPUs, one per worker."""
+    train_check("dpo", pipeline_cfg)
 
 
 wire = without_sft  # without an sft stage, it starts from the base model

@@ -41,7 +41,7 @@ from pydantic import Field, model_validator
 from pipeline import events
 from pipeline.errors import UserError
 from stages.common import train_loop
-from stages.common.deepspeed import TrainingConfig, needs_sft, without_sft
+from stages.common.deepspeed import TrainingConfig, train_check, without_sft
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -269,8 +269,8 @@ class Objective(train_loop.Objective):
 
 
 def check(pipeline_cfg) -> None:
-    """`init_from: sft` needs an sft stage."""
-    needs_sft("reward", pipeline_cfg)
+    """`init_from: sft` needs an sft stage; a local Ray with GPUs, one per worker."""
+    train_check("reward", pipeline_cfg)
 
 
 wire = without_sft  # without an sft stage, it starts from the base model

@@ -26,7 +26,7 @@ from pydantic import Field
 from pipeline import events
 from pipeline.errors import UserError
 from stages.common import train_loop
-from stages.common.deepspeed import TrainingConfig
+from stages.common.deepspeed import TrainingConfig, train_check
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -151,6 +151,11 @@ def engine_greedy(model_dirs: list[Path], prompt_ids: list[list[int]], max_new_t
 
     outs = engine_answers(model_dirs, prompt_ids, [{"temperature": 0.0, "max_tokens": max_new_tokens}], seed, storage)
     return [([t[0] for t, _ in out[0]], [c[0] for _, c in out[0]]) for out in outs]
+
+
+def check(pipeline_cfg) -> None:
+    """On a local Ray with GPUs, one per worker (a cluster's are counted when the stage starts)."""
+    train_check("sft", pipeline_cfg)
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:

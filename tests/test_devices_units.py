@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from stages.ppo import devices
+from stages.common import devices
 from stages.ppo.rl import make_batch
 
 META = torch.device("meta")

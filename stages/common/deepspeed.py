@@ -6,8 +6,9 @@ user's raw `deepspeed.extra` dict merged over it last. Mistakes that DeepSpeed w
 inside a worker minutes later (a batch size that does not divide, parameter offload without
 ZeRO-3) are rejected here, at validation, with the key named.
 
-Device choices live in one place (`backend`, `device_env`): gloo and DeepSpeed's CPU accelerator
-without a GPU, NCCL and CUDA with one. The code is the same on both.
+What a process computes on is decided in that process (stages/common/devices.py); here only what follows
+from the driver's choice to ask Ray for GPUs (`backend`: NCCL for a Ray Train group whose workers each hold
+one, `for_device`: an optimizer that needs no compiler). The code is the same on both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class DeepSpeedSection(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded.")
     offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO >= 1). Only matters with a GPU.")
     offload_params: bool = Field(False, description="Keep parameters in CPU memory (ZeRO-3 only). Only matters with a GPU.")
-    precision: Literal["auto", "bf16", "fp32"] = Field("fp32", description="'auto': bf16 where the hardware supports it, else fp32.")
+    precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="'auto': bf16 on GPUs (since Ampere: A100, "
+                                                       "H100, L4; set fp32 on a V100 or T4), fp32 on the CPU.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     extra: dict[str, Any] = Field({}, description="Raw DeepSpeed config merged over the generated one (last word).")
 
@@ -164,6 +166,16 @@ def needs_sft(name: str, pipeline_cfg: Any) -> None:
         raise ValueError(f"stages.{name}.init_from is sft but stages.sft is null; set stages.{name}.init_from: base")
 
 
+def train_check(name: str, pipeline_cfg: Any) -> None:
+    """A Train stage's `check` hook: `init_from: sft` with an sft stage (reward, dpo), and on a local Ray with GPUs
+    one for each worker (`devices.check_local_workers`)."""
+    from stages.common.devices import check_local_workers
+
+    if name != "sft":
+        needs_sft(name, pipeline_cfg)
+    check_local_workers(pipeline_cfg, name)
+
+
 def without_sft(spec: Any, pipeline_cfg: Any, stages: tuple) -> tuple:
     """The reward and dpo stages' `wire`: without an sft stage they start from the base model alone."""
     if pipeline_cfg.stages.sft is None:
@@ -181,13 +193,6 @@ def total_steps(n_rows: int, cfg: TrainingConfig) -> int:
 def use_bf16(ds: DeepSpeedSection, gpu: bool) -> bool:
     """'bf16', or 'auto' on hardware that supports it."""
     return ds.precision == "bf16" or (ds.precision == "auto" and bf16_supported(gpu))
-
-
-def use_gpu() -> bool:
-    """True when this process sees a CUDA device (decides backend, accelerator and precision)."""
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def backend(gpu: bool) -> str:
@@ -319,18 +324,12 @@ def safe_checkpoint_loads(engine) -> None:
     engine.load_checkpoint = load_checkpoint
 
 
-def device_env(gpu: bool) -> dict[str, str]:
-    """Environment for training workers: DeepSpeed's accelerator must be chosen before import."""
-    return {} if gpu else {"DS_ACCELERATOR": "cpu"}
-
-
 def bf16_supported(gpu: bool) -> bool:
-    import torch
-
-    if gpu:
-        return torch.cuda.is_bf16_supported()
-    return bool(getattr(torch.backends, "mkldnn", None) and torch.backends.mkldnn.is_available()
-                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether 'auto' precision is bf16. On GPUs (`gpu`: the stage asks Ray for them) it is: the driver does not
+    compute on them, so it cannot ask them, and every data-centre GPU since Ampere (A100, H100, L4, A10) has bf16;
+    on an older one (V100, T4) set precision: fp32. On the CPU it is not: the CPU path computes in fp32, as its
+    tests, benches and recorded outcomes were measured (so 'auto', the default, leaves it unchanged)."""
+    return gpu
 
 
 def merge(base: dict, extra: dict) -> dict:

@@ -152,6 +152,7 @@ class EngineSpec:
     seed: int = 0
     dtype: str = "float32"
     gpu: bool = False
+    gpu_share: float = 1.0  # of one GPU, each engine asks Ray for (on GPUs; a fraction packs several on one)
     kv_cache_gb: float = 1.0
     gpu_memory_utilization: float = 0.3
     num_cpus: float = 1.0
@@ -161,6 +162,7 @@ class EngineSpec:
     # layout, stages/ppo/colocated.py), which joins the rank's torch process group as TRL's colocate mode does
     backend: str = "uni"
     sleep_mode: bool = False  # inside a rank on a GPU: release the engine's memory while the rank trains
+    sleep_level: int = 2  # with sleep_mode: 2 discards the weights asleep, 1 keeps them in CPU memory (ppo/sleep.py)
 
     def runtime_env(self) -> dict:
         # Read by vLLM at import and engine start, so they must be in the actor's environment.
@@ -362,7 +364,7 @@ class EnginePool:
         from ray.util.placement_group import placement_group
 
         self.model_dir, self.spec, self.restarts, self.engine_cls = model_dir, spec, 0, engine_cls
-        bundle = {"CPU": spec.num_cpus, **({"GPU": 1} if spec.gpu else {})}
+        bundle = {"CPU": spec.num_cpus, **({"GPU": spec.gpu_share} if spec.gpu else {})}
         self.pg = placement_group([bundle] * num_engines, strategy=strategy)
         self.engines = [self._start(i) for i in range(num_engines)]  # they wait for the placement group
         self.weights_ref, self.version = None, None  # the last synced weights, to bring a restarted engine up to date
@@ -381,7 +383,8 @@ class EnginePool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor = ray.remote(self.engine_cls).options(
-            num_cpus=self.spec.num_cpus, num_gpus=1 if self.spec.gpu else 0, runtime_env=self.spec.runtime_env(),
+            num_cpus=self.spec.num_cpus, num_gpus=self.spec.gpu_share if self.spec.gpu else 0,
+            runtime_env=self.spec.runtime_env(),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
             name=None, max_concurrency=1,
         )

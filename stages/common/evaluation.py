@@ -27,14 +27,15 @@ def engine_answers(model_dirs: list[Path], prompt_ids: list[list[int]], sampling
     encodes them (models of different runs), else `prompt_ids`."""
     import ray
 
-    from stages.common.deepspeed import use_gpu
+    from stages.common.devices import cluster_gpus
     from stages.common.engines import EngineSpec, RolloutEngine
     from stages.common.models import load_tokenizer
 
     per_model = [[list(p) for p in ids] for ids in (own_prompt_ids or [prompt_ids] * len(model_dirs))]
     longest = max(s["max_tokens"] for s in samplings)
-    gpu = use_gpu()
+    gpu = cluster_gpus() > 0  # the cluster's GPUs, not this driver's (stages/common/devices.py)
     spec = EngineSpec(max_model_len=max(len(p) for ids in per_model for p in ids) + longest, seed=seed, gpu=gpu,
+                      dtype="bfloat16" if gpu else "float32",  # vLLM's GPU attention backends: fp16/bf16
                       gpu_memory_utilization=0.9 if gpu else 0.3, storage=storage)  # on a GPU it has to itself
     actor = ray.remote(RolloutEngine).options(num_cpus=spec.num_cpus, num_gpus=1 if spec.gpu else 0,
                                               runtime_env=spec.runtime_env())

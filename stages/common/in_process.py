@@ -41,10 +41,16 @@ _RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZ
 _active: dict | None = None  # {"dir": Path, "keep": int} while a fit runs in this process
 
 
-def wanted(num_workers: int, callbacks, storage_fs) -> bool:
-    """Whether a Train stage's loop runs in the driver: one worker, no Ray Train callbacks (a Tune trial's
-    reporter needs the controller), checkpoints on this machine's filesystem, and not forced off."""
-    return num_workers == 1 and not callbacks and storage_fs is None and os.environ.get(GROUP_ENV) != "1"
+def wanted(num_workers: int, callbacks, storage_fs, gpu: bool = False) -> bool:
+    """Whether a Train stage's loop runs in the driver: one worker on the CPU, no Ray Train callbacks (a Tune
+    trial's reporter needs the controller), checkpoints on this machine's filesystem, and not forced off.
+
+    Never on a GPU (`gpu`: the stage asks Ray for GPUs): the driver would take GPU 0 without a Ray reservation and
+    keep its CUDA context and cached memory after the stage, so a ppo rank, an engine or a serve replica Ray later
+    placed on that GPU would fail vLLM's free-memory check. A one-worker GPU stage is a Ray Train worker holding its
+    GPU by reservation, and gives it back when it ends."""
+    return (num_workers == 1 and not gpu and not callbacks and storage_fs is None
+            and os.environ.get(GROUP_ENV) != "1")
 
 
 def active() -> bool:
@@ -53,10 +59,9 @@ def active() -> bool:
 
 
 def fit(make_trainer: Callable[[dict], object], loop_config: dict, checkpoints: Path, keep: int, max_failures: int,
-        log: Callable[[str], None], backend: str = "gloo", env: dict[str, str] | None = None):
+        log: Callable[[str], None]):
     """Run `make_trainer(config).fit()` in this process, up to `max_failures + 1` times; its Ray Train Result.
-    `backend` is the process group's (gloo on CPU, NCCL on a GPU: `deepspeed.backend`), `env` what DeepSpeed
-    must find in the environment (`deepspeed.device_env`)."""
+    On the CPU only (`wanted`): a gloo process group, DeepSpeed's CPU accelerator."""
     import ray.cloudpickle as pickle
 
     global _active
@@ -66,7 +71,7 @@ def fit(make_trainer: Callable[[dict], object], loop_config: dict, checkpoints: 
     for attempt in range(max_failures + 1):
         _active = {"dir": directory, "keep": keep}
         try:
-            with _driver_kept(env or {}), _process_group(backend):
+            with _driver_kept({"DS_ACCELERATOR": "cpu"}), _process_group():
                 return make_trainer(pickle.loads(frozen)).fit()
         except Exception as exc:  # noqa: BLE001 - a failed attempt; KeyboardInterrupt is the runner's
             if attempt == max_failures:
@@ -83,15 +88,12 @@ def fit(make_trainer: Callable[[dict], object], loop_config: dict, checkpoints: 
 
 
 @contextlib.contextmanager
-def _process_group(backend: str):
-    """A process group of one rank for DeepSpeed, over an in-memory store (no port), destroyed after."""
-    import torch
+def _process_group():
+    """A gloo process group of one rank for DeepSpeed, over an in-memory store (no port), destroyed after."""
     import torch.distributed as dist
 
-    if backend == "nccl":
-        torch.cuda.set_device(0)  # the device Ray would have given a one-GPU worker
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

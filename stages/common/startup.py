@@ -54,10 +54,13 @@ def _hidden(module: str):
 
 
 def import_deepspeed():
-    """DeepSpeed, imported lean, with its JIT-built ops looked for in the venv (`isolate_jit_builds`)."""
+    """DeepSpeed, imported lean, with its JIT-built ops looked for in the venv (`isolate_jit_builds`) and its
+    accelerator chosen from the device Ray gave this process (`devices.set_accelerator`)."""
     from stages.common.deepspeed import isolate_jit_builds
+    from stages.common.devices import set_accelerator
 
     isolate_jit_builds()
+    set_accelerator()
     lean_imports()
     with _hidden("mlflow"):
         import deepspeed

@@ -87,11 +87,15 @@ def train(objective: Objective, cfg, ctx: StageContext, init: Path, data: Path, 
     """Run the objective on `cfg.num_workers` Ray Train workers over `data`'s train and eval splits; (the Ray
     Train `Result`, the tokenizer). `line(precision)` says what trains, for the progress line; `extra` reaches
     the workers' `c`."""
-    from stages.common.deepspeed import deepspeed_config, use_bf16, use_gpu
+    from stages.common.deepspeed import deepspeed_config, use_bf16
+    from stages.common.devices import check_workers, run_gpus
     from stages.common.models import load_tokenizer
     from stages.common.training import direct_splits, fit, tokenizer_and_ray
 
-    gpu = use_gpu()
+    have = run_gpus(ctx)  # the Ray cluster's GPUs (or the local Ray's to be), never this driver's own
+    gpu = have > 0
+    if gpu:  # refused now, with the count, rather than a placement group waiting for GPUs that never come
+        check_workers(ctx.name.split()[0], cfg.num_workers, have)
     bf16 = use_bf16(cfg.deepspeed, gpu)
     ds_config = deepspeed_config(cfg, steps, bf16)
     ctx.log_dict(ds_config, "deepspeed_config.json")
@@ -128,11 +132,11 @@ def worker(c: dict) -> None:
         startup.lean_imports()  # before anything loads transformers (stages/common/startup.py)
     import torch
 
-    from stages.common import training
+    from stages.common import devices, training
 
     objective: Objective = c["objective"]
-    rank, world = training.worker_rank()
-    training.set_threads(world)
+    rank, world = worker_rank()
+    set_threads(world)
     cfg = objective.config.model_validate(c["cfg"])
     objective.start(cfg, c)
     torch.manual_seed(c["seed"])
@@ -148,11 +152,13 @@ def worker(c: dict) -> None:
     clock.mark("restore")
     log.print(f"DeepSpeed engine ready in {clock.parts['deepspeed']:.1f}s (resuming at step {state['step']})")
     total = c["total_steps"]
-    # This rank's batches of each split, read once and replayed (the same batches at every pass).
-    trains = training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size,
-                                    objective.collate(cfg, c, "train"), rank, world)
-    evals = training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size, objective.collate(cfg, c, "eval"),
-                                 rank, world)
+    # This rank's batches of each split, read once and replayed (the same batches at every pass), each one moved
+    # to the engine's device as it is used (built on the CPU: stages/common/devices.py)
+    device = devices.device_of(engine)
+    trains = devices.OnDevice(training.ReplayBatches(training.split(c, "train"), cfg.micro_batch_size,
+                                                     objective.collate(cfg, c, "train"), rank, world), device)
+    evals = devices.OnDevice(training.EvalBatches(training.split(c, "eval"), cfg.micro_batch_size,
+                                                  objective.collate(cfg, c, "eval"), rank, world), device)
     objective.prepare(engine, cfg, c, init, {"train": trains, "eval": evals}, state, log, clock, rank, world)
     if state["step"] == 0:
         first = objective.evaluate(engine, evals)
@@ -196,7 +202,7 @@ def worker(c: dict) -> None:
             log.step(step, total, metrics)  # every step goes to MLflow; the console shows progress
             state = {"step": step, "epoch": epoch, "micro_in_epoch": micro, **objective.state()}
             if step == total:
-                metrics.update(training.peak_memory(rank, world))
+                metrics.update(peak_memory(rank, world))
             if step % cfg.checkpoint_every == 0 or step == total:
                 training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
                 if fault_armed and step >= fault_at:
@@ -207,5 +213,30 @@ def worker(c: dict) -> None:
         if engine.global_steps >= total:
             break
     if not metrics:  # resumed after the last step: report the final state again so the run ends on it
-        training.report(engine, state, {"step": engine.global_steps, **training.peak_memory(rank, world)}, rank,
+        training.report(engine, state, {"step": engine.global_steps, **peak_memory(rank, world)}, rank,
                         with_checkpoint=True)
+
+
+def worker_rank() -> tuple[int, int]:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    return ctx.get_world_rank(), ctx.get_world_size()
+
+
+def peak_memory(rank: int, world: int) -> dict[str, float]:
+    """Peak resident memory of every worker, in MB (collective: every rank must call it)."""
+    import resource
+
+    from stages.common import training
+
+    slots = [0.0] * world
+    slots[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {f"peak_rss_mb_rank{r}": v for r, v in enumerate(training.all_reduce_sum(slots))}
+
+
+def set_threads(world_size: int) -> None:
+    """Split the machine's cores between co-located workers instead of oversubscribing them."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline import events
 from stages.common import in_process
-from stages.common.deepspeed import TrainingConfig, backend, device_env
+from stages.common.deepspeed import TrainingConfig, backend
 
 if TYPE_CHECKING:
     from pipeline.run_storage import RunStorage
@@ -65,17 +65,18 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
     # replay their batches from memory after the first pass (`ReplayBatches`).
     for ds in datasets.values():  # every worker reads every split: no progress bars in the forwarded worker logs
         ds.context.enable_progress_bars = False
-    if in_process.wanted(tcfg.num_workers, callbacks, storage_fs):  # one worker: the driver trains
+    if in_process.wanted(tcfg.num_workers, callbacks, storage_fs, gpu):  # one CPU worker: the driver trains
         for ds in datasets.values():  # what DataConfig below says; local mode does not read it
             ds.context.execution_options.preserve_order = True
         return in_process.fit(lambda config: TorchTrainer(
             loop, train_loop_config={**config, "storage": run_storage, "splits": direct},
-            torch_config=TorchConfig(backend=backend(gpu)), scaling_config=ScalingConfig(num_workers=0),
-            datasets=datasets), loop_config, checkpoints, tcfg.keep_checkpoints, tcfg.max_failures, events.say,
-            backend(gpu), device_env(gpu))
+            torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=0),
+            datasets=datasets), loop_config, checkpoints, tcfg.keep_checkpoints, tcfg.max_failures, events.say)
     trainer = TorchTrainer(
         loop,
         train_loop_config={**loop_config, "storage": run_storage, "splits": direct},
+        # use_gpu gives every worker a GPU of its own, so NCCL is every worker's backend; each worker chooses its
+        # DeepSpeed accelerator from what it sees (devices.set_accelerator, in startup.import_deepspeed)
         torch_config=TorchConfig(backend=backend(gpu)),
         scaling_config=ScalingConfig(num_workers=tcfg.num_workers, use_gpu=gpu,
                                      placement_strategy=tcfg.placement_strategy),
@@ -90,8 +91,7 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
             failure_config=FailureConfig(max_failures=tcfg.max_failures),
             callbacks=list(callbacks),
             # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
-            worker_runtime_env={"env_vars": {**device_env(gpu), **{
-                k: v for k, v in os.environ.items() if k.startswith("PIPELINE_FAULT_")}}},
+            worker_runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("PIPELINE_FAULT_")}},
         ),
     )
     return fit_and_end_controller(trainer)
@@ -221,6 +221,8 @@ def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[
     classifier or a DeepSpeed engine around one. Used by PPO's reward role and by batch inference."""
     import torch
 
+    from stages.common.devices import on_device
+
     texts = [tok.apply_chat_template([{"role": "user", "content": str(p)}, {"role": "assistant", "content": str(r)}],
                                      tokenize=False) for p, r in pairs]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -228,11 +230,12 @@ def reward_scores(model, tok, pairs: list[tuple[str, str]], micro: int) -> list[
     # answers); the scores go back in the callers' order.
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[list[float]] = [[] for _ in ids]
+    call = on_device(model)  # the CPU batches on the model's device (stages/common/devices.py)
     with torch.no_grad():
         for i in range(0, len(order), micro):
             part = order[i : i + micro]
             input_ids, attn = pad([ids[j] for j in part], tok.pad_token_id)
-            for j, v in zip(part, model(input_ids=input_ids, attention_mask=attn).logits.float().tolist()):
+            for j, v in zip(part, call(input_ids=input_ids, attention_mask=attn).logits.float().tolist()):
                 out[j] = v
     return out
 
@@ -371,11 +374,14 @@ def init_engine(model, ds_config: dict):
 
     deepspeed = import_deepspeed()
 
-    from stages.common.deepspeed import safe_checkpoint_loads
+    from stages.common.deepspeed import for_device, safe_checkpoint_loads
+    from stages.common.devices import process_device
 
-    # Only what trains gets optimizer state (all of it, or a LoRA adapter and its score head).
+    # Only what trains gets optimizer state (all of it, or a LoRA adapter and its score head); on a GPU torch's
+    # AdamW, not the FusedAdam that needs nvcc (`for_device`)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable,
+                                           config=for_device(ds_config, process_device()))
     safe_checkpoint_loads(engine)
     return engine
 
@@ -464,13 +470,6 @@ def report(engine, state: dict, metrics: dict[str, Any], rank: int, with_checkpo
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d))
 
 
-def worker_rank() -> tuple[int, int]:
-    import ray.train
-
-    ctx = ray.train.get_context()
-    return ctx.get_world_rank(), ctx.get_world_size()
-
-
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum floats over all ranks (gloo or NCCL, whichever group Ray Train set up)."""
     import torch
@@ -482,19 +481,3 @@ def all_reduce_sum(values: list[float]) -> list[float]:
             t = t.cuda()
         dist.all_reduce(t)
     return t.cpu().tolist()
-
-
-def peak_memory(rank: int, world: int) -> dict[str, float]:
-    """Peak resident memory of every worker, in MB (collective: every rank must call it)."""
-    import resource
-
-    slots = [0.0] * world
-    slots[rank] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {f"peak_rss_mb_rank{r}": v for r, v in enumerate(all_reduce_sum(slots))}
-
-
-def set_threads(world_size: int) -> None:
-    """Split the machine's cores between co-located workers instead of oversubscribing them."""
-    import torch
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

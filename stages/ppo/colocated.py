@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from stages.ppo.sleep import SleepCycle
 from stages.ppo.worker import PPOWorker
 
 MAX_RANK_RESTARTS = 2  # a rank that dies again and again is a bug to report, not to retry forever
@@ -63,9 +64,10 @@ class ColocatedRank(PPOWorker):
                 params[name] = self.roles[name].setup(spec)
         t1 = time.time()
         self.rollout = RolloutEngine(model_dir, engine, self.rank)
-        self.sleeps = engine.gpu and engine.sleep_mode  # vLLM's CPU worker has no sleep mode
-        if self.sleeps:
-            self.rollout.llm.sleep(level=1)  # until the first generation: the roles train on the GPU meanwhile
+        # vLLM's CPU worker has no sleep mode; asleep until the first generation (the roles train meanwhile)
+        self.cycle = SleepCycle(self.rollout.llm, engine.sleep_level, engine.gpu and engine.sleep_mode)
+        self.cycle.start()
+        self.version = 0  # of the weights last loaded into the engine (a level-2 cycle reloads them)
         self.startup.update(roles=t1 - t0, engine=time.time() - t1)
         return params
 
@@ -87,14 +89,9 @@ class ColocatedRank(PPOWorker):
         return self.engine_generate(prompt_ids, sampling)
 
     def engine_generate(self, prompt_ids: list[list[int]], sampling: dict) -> list[list[dict]]:
-        """RolloutEngine.generate on this rank's engine (woken for it with sleep mode)."""
-        if self.sleeps:
-            self.rollout.llm.wake_up()
-        try:
-            return self.rollout.generate(prompt_ids, sampling)
-        finally:
-            if self.sleeps:
-                self.rollout.llm.sleep(level=1)
+        """RolloutEngine.generate on this rank's engine (woken for it with sleep mode: stages/ppo/sleep.py)."""
+        return self.cycle.generate(lambda: self.rollout.generate(prompt_ids, sampling),
+                                   reload=lambda: self.sync_engine(self.version))
 
     def sync_engine(self, version: int) -> tuple[float, int]:
         """The policy's current weights into this rank's engine, in place; (seconds, bytes handed over).
@@ -110,13 +107,8 @@ class ColocatedRank(PPOWorker):
         params = list(self.engine.module.parameters())
         with deepspeed.zero.GatheredParameters(params, enabled=self.engine.zero_optimization_stage() == 3):
             weights = distinct(merged_state_dict(self.engine.module))
-            if self.sleeps:
-                self.rollout.llm.wake_up(tags=["weights"])
-            try:
-                self.rollout.load_weights(weights, version)
-            finally:
-                if self.sleeps:
-                    self.rollout.llm.sleep(level=1)
+            self.cycle.load(lambda: self.rollout.load_weights(weights, version))
+            self.version = version
         return time.time() - t0, sum(t.numel() * t.element_size() for t in weights.values())
 
 
@@ -204,14 +196,14 @@ def start_ranks(s, cfg, specs: dict[str, dict], model_dir, engine, gpu: bool):
     groups (the policy: the ranks themselves; the others: `RoleView`s) and pool. Returns the ranks' setup refs."""
     from dataclasses import replace
 
-    from stages.common.deepspeed import device_env
     from stages.ppo.groups import ModelGroup
 
-    engine = replace(engine, backend="external_launcher", sleep_mode=cfg.rollout.sleep_mode)
+    engine = replace(engine, backend="external_launcher", sleep_mode=cfg.rollout.sleep_mode,
+                     sleep_level=cfg.rollout.sleep_level)
     # Ray starts each rank with the engine's environment (VLLM_ENABLE_V1_MULTIPROCESSING=0, tcmalloc on CPU):
     # vLLM reads it at import, in the rank's process.
-    ranks = ModelGroup("policy", ColocatedRank, cfg.policy.num_ranks, cfg.policy.cpus_per_rank, gpu,
-                       cfg.placement_strategy, env=device_env(gpu), runtime_env=engine.runtime_env(), wait=False)
+    ranks = ModelGroup("policy", ColocatedRank, cfg.policy.num_ranks, cfg.policy.cpus_per_rank,
+                       gpu and cfg.gpus_per_process, cfg.placement_strategy, runtime_env=engine.runtime_env(), wait=False)
     s.groups = {name: ranks if name == "policy" else RoleView(ranks, name) for name in specs}
     s.pool = RankEngines(ranks)
     return ranks.run("setup_rank", specs, str(model_dir), engine)

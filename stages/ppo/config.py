@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pipeline.schema import Section
 from stages.common.deepspeed import DeepSpeedSection, LoraSection, zero3_problem
+from stages.ppo.placement import needed, shortfall
 
 GROUPED = ("grpo", "rloo", "dr_grpo")  # baselines from the other samples of the same prompt
 
@@ -101,11 +102,11 @@ class RolloutConfig(Section):
                                                  "CPU). Empty: 0.9 of a separate engine's own GPU, else 0.3.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "SPREAD", description="Ray placement strategy of the engines' bundles.")
-    sleep_mode: bool = Field(False, description="layout colocated on GPUs: each rank's engine releases its weights "
-                             "and KV cache (vLLM's sleep mode, level 1) while the rank trains and takes them back "
-                             "before it generates, so trainer and engine share the rank's GPU; "
-                             "gpu_memory_utilization is then the engine's share of that GPU while it is awake. "
-                             "Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
+    sleep_mode: bool = Field(False, description="layout colocated on GPUs: each rank's engine releases its GPU "
+                             "memory while the rank trains (vLLM's sleep mode), gpu_memory_utilization its share while "
+                             "awake. Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
+    sleep_level: Literal[1, 2] = Field(2, description="With sleep_mode: 2 discards the weights asleep, the sync loads "
+                                       "them (TRL's order); 1 copies them to CPU memory and back (stages/ppo/sleep.py).")
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""
@@ -310,6 +311,8 @@ class PPOConfig(Section):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each iteration's rollouts.")
     mini_batch_size: int = Field(32, ge=1, description="Rollouts per optimizer step, over all ranks of a role.")
     micro_batch_size: int = Field(8, ge=1, description="Rollouts per rank per forward pass (the rest is accumulation).")
+    gpus_per_process: float = Field(1.0, gt=0, le=1, description="On GPUs, the share of one each rank and engine asks "
+                                    "Ray for: 1 a GPU each, 0.25 four processes a GPU (stages/ppo/placement.py).")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     clip_eps: float = Field(0.2, gt=0, description="PPO ratio clip range: the ratio stays within "
@@ -437,14 +440,8 @@ class PPOConfig(Section):
         return self.environment.max_tokens if self.environment else self.sampling.max_new_tokens
 
     def cpus_needed(self) -> float:
-        """Logical CPUs the stage reserves at once (every rank and engine holds one bundle of its CPUs)."""
-        if self.layout == "colocated":  # the policy ranks hold everything
-            return self.policy.num_ranks * self.policy.cpus_per_rank
-        roles = [self.policy] + ([] if self.policy.lora or self.reference.colocate else [self.reference])
-        roles += [self.critic] if self.algorithm == "ppo" else []
-        roles += [self.reward] if self.rewards.model_weight else []
-        roles += [self.distill.role] if self.distill else []
-        return sum(r.num_ranks * r.cpus_per_rank for r in roles) + self.rollout.num_engines * self.rollout.cpus_per_engine
+        """Logical CPUs the stage reserves at once (every rank and engine holds a bundle: placement.bundles)."""
+        return needed(self, "CPU")
 
 
 def _fits_layout(cfg: PPOConfig) -> None:
@@ -488,6 +485,8 @@ def check(pipeline_cfg) -> None:
         raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
                          f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
                          "fewer engines or ranks, or raise ray.num_cpus")
+    if pipeline_cfg.ray.local_gpus():  # a local Ray with GPUs (a cluster's are counted at the stage's start)
+        shortfall(ppo, pipeline_cfg.ray.local_gpus(), ValueError)
 
 
 def wire(spec, pipeline_cfg, stages: tuple) -> tuple:

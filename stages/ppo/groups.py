@@ -6,8 +6,8 @@
     group.get("logprobs", batch)                 # run + ray.get
 
 A model is a *group* of Ray actors (the Workhorses), each holding one rank of it; the group's
-ranks form their own torch process group (gloo on CPU, NCCL on GPU, `stages.common.deepspeed
-.backend`), so DeepSpeed inside them shards, all-reduces and gathers exactly as under any
+ranks form their own torch process group (gloo on CPU, NCCL on GPU, each rank deciding from what Ray
+gave it: `stages.common.devices`), so DeepSpeed inside them shards, all-reduces and gathers exactly as under any
 launcher. The `ModelGroup` proxy (the WholeModel) fans a method call out to the ranks and hands
 back their refs: traffic *between* models is Ray calls between groups, traffic *inside* a model
 is collectives. The calls are explicit method names returning refs, like OpenRLHF's
@@ -29,7 +29,10 @@ class Workhorse:
     def __init__(self, group: str, rank: int, world: int, env: dict[str, str]):
         import time
 
-        os.environ.update(env)  # e.g. DS_ACCELERATOR=cpu, read when deepspeed is imported
+        from stages.common.devices import set_accelerator
+
+        os.environ.update(env)
+        set_accelerator()  # from the GPU Ray gave this actor, or none: read when deepspeed is imported
         self.group, self.rank, self.world = group, rank, world
         self.startup = {"born": time.time()}  # when this process reached its constructor; subclasses add parts
 
@@ -53,12 +56,18 @@ class Workhorse:
                                     wait_for_workers=False)  # the other ranks connect once they have the port
         return address, self._store.port
 
-    def init_process_group(self, address: tuple[str, int], backend: str) -> int:
-        """Join the group's process group at rank 0's `address` (its `master_address()`, passed as a ref)."""
+    def init_process_group(self, address: tuple[str, int]) -> int:
+        """Join the group's process group at rank 0's `address` (its `master_address()`, passed as a ref), over NCCL
+        when Ray gave this actor a GPU and gloo otherwise (`devices.process_backend`: decided here, not by the
+        driver, which may be a CPU-only head)."""
         import datetime
 
         import torch
         import torch.distributed as dist
+
+        from stages.common.devices import process_backend
+
+        backend = process_backend()
 
         addr, port = address
         timeout = datetime.timedelta(minutes=30)
@@ -88,28 +97,26 @@ class ModelGroup:
     caller wait with a timeout. An actor class's `CONCURRENCY_GROUPS` (Ray concurrency groups)
     lets methods marked for another group run beside the default one."""
 
-    def __init__(self, name: str, actor_cls: type, num_ranks: int, cpus_per_rank: float, gpu: bool,
+    def __init__(self, name: str, actor_cls: type, num_ranks: int, cpus_per_rank: float, gpu: float,
                  strategy: str = "PACK", env: dict[str, str] | None = None, runtime_env: dict | None = None,
                  wait: bool = True):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from stages.common.deepspeed import backend
-
         self.name = name
-        bundle = {"CPU": cpus_per_rank, **({"GPU": 1} if gpu else {})}
+        bundle = {"CPU": cpus_per_rank, **({"GPU": float(gpu)} if gpu else {})}  # `gpu`: each rank's share of one
         self.pg = placement_group([bundle] * num_ranks, strategy=strategy, name=f"{name}-group")
         groups = getattr(actor_cls, "CONCURRENCY_GROUPS", None)  # declared at ray.remote, not in .options()
         remote = ray.remote(concurrency_groups=groups)(actor_cls) if groups else ray.remote(actor_cls)
         self.actors = [
-            remote.options(num_cpus=cpus_per_rank, num_gpus=1 if gpu else 0, runtime_env=runtime_env,
+            remote.options(num_cpus=cpus_per_rank, num_gpus=float(gpu), runtime_env=runtime_env,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
             .remote(name, r, num_ranks, env or {})
             for r in range(num_ranks)
         ]
         address = self.actors[0].master_address.remote()  # resolved by Ray before the ranks' calls run
-        self.ready_refs = [a.init_process_group.remote(address, backend(gpu)) for a in self.actors]
+        self.ready_refs = [a.init_process_group.remote(address) for a in self.actors]
         if wait:
             ray.get(self.pg.ready(), timeout=300)
             ray.get(self.ready_refs)

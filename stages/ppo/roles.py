@@ -82,10 +82,15 @@ def check_teacher(teacher: Path, student: Path) -> None:
                         "tokenizer (distil from a model trained from the same base)")
 
 
-def _check_cluster(cfg: PPOConfig) -> None:
-    """Fail before placing anything when the cluster cannot hold every rank and engine at once."""
+def _check_cluster(cfg: PPOConfig, gpu: bool) -> None:
+    """Fail before placing anything when the cluster cannot hold every rank and engine at once (CPUs, and on GPUs
+    their shares of the cluster's GPUs: a placement group Ray can never fill would wait for the start-up's timeout)."""
     import ray
 
+    from stages.ppo.placement import shortfall
+
+    if gpu:
+        shortfall(cfg, ray.cluster_resources().get("GPU", 0))
     have = ray.cluster_resources().get("CPU", 0)
     if cfg.cpus_needed() > have:
         raise UserError(f"stages.ppo.rollout.num_engines: the roles and {cfg.rollout.num_engines} engines need "
@@ -98,6 +103,15 @@ def memory_share(rollout, layout: str, gpu: bool) -> float:
     if rollout.gpu_memory_utilization is not None:
         return rollout.gpu_memory_utilization
     return 0.9 if gpu and layout == "separate" else 0.3
+
+
+def engine_dtype(policy, gpu: bool) -> str:
+    """The rollout engines' dtype: the policy's training precision on GPUs (`policy.deepspeed.precision`; 'auto' is
+    bf16 there), so that sampler and trainer compute alike and vLLM's flash attention backends (fp16/bf16 only)
+    serve them; float32 on the CPU, as the CPU trainer computes (each role keeps its own precision)."""
+    from stages.common.deepspeed import use_bf16
+
+    return "bfloat16" if gpu and use_bf16(policy.deepspeed, gpu) else "float32"
 
 
 def role_spec(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool, pad_id: int,
@@ -121,12 +135,11 @@ def role_spec(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, train
 def start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
                pad_id: int, seed: int, run_storage):
     """A ModelGroup of PPOWorker ranks holding `model_dir` as `kind`; returns (group, setup refs)."""
-    from stages.common.deepspeed import device_env
     from stages.ppo.groups import ModelGroup
     from stages.ppo.worker import PPOWorker
 
-    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu, cfg.placement_strategy,
-                       env=device_env(gpu), wait=False)
+    group = ModelGroup(name, PPOWorker, role.num_ranks, role.cpus_per_rank, gpu and cfg.gpus_per_process,
+                       cfg.placement_strategy, wait=False)  # the bundles placement.bundles counts
     spec = role_spec(name, role, kind, model_dir, cfg, trainable, gpu, pad_id, seed, run_storage)
     return group, group.run("setup", spec)
 
@@ -137,7 +150,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
     `clock` (events.StartupClock) gets the parts: driver, ray, processes, roles and engines."""
     import ray
 
-    from stages.common.deepspeed import use_gpu
+    from stages.common.devices import cluster_gpus
     from stages.common.lora import describe
     from stages.common.engines import EnginePool, EngineSpec
     from stages.common.models import load_tokenizer, saved_heads
@@ -176,8 +189,8 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         from stages.ppo.scoring import RunningMoments
 
         s.moments = RunningMoments()
-    gpu, seed, ppo = use_gpu(), ctx.pipeline.seed, cfg.algorithm == "ppo"
-    _check_cluster(cfg)
+    gpu, seed, ppo = cluster_gpus() > 0, ctx.pipeline.seed, cfg.algorithm == "ppo"  # the cluster's GPUs, not ours
+    _check_cluster(cfg, gpu)
     lora_ref = cfg.policy.lora is not None  # the reference is the LoRA policy with its adapter off
     colocated = cfg.layout == "colocated"
     in_policy = lora_ref or cfg.reference.colocate or colocated  # no reference ranks of its own
@@ -198,7 +211,8 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         s.episode = _episode_spec(cfg)
         s.env_budget = ErrorBudget(f"the environment {cfg.environment.name}", cfg.rewards.max_error_share, "episodes")
     longest = max(r["num_tokens"] for r in train_rows + eval_rows) + cfg.response_tokens()
-    spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, kv_cache_gb=cfg.rollout.kv_cache_gb,
+    spec = EngineSpec(max_model_len=longest, seed=seed, gpu=gpu, gpu_share=cfg.gpus_per_process,
+                      kv_cache_gb=cfg.rollout.kv_cache_gb, dtype=engine_dtype(cfg.policy, gpu),
                       gpu_memory_utilization=memory_share(cfg.rollout, cfg.layout, gpu),
                       num_cpus=cfg.rollout.cpus_per_engine,
                       storage=ctx.storage, env=allowance_env())  # the python tool's run_python

@@ -41,10 +41,10 @@ def _response_slice(batch: dict, x):
 
 def _micro_batches(batch: dict, size: int, generator, device):
     """Shuffled micro-batches of `size` rows (tensor entries sliced, scalars kept), each on `device`: the driver's
-    batches are CPU tensors, the model's device may be a GPU (stages/ppo/devices.py)."""
+    batches are CPU tensors, the model's device may be a GPU (stages/common/devices.py)."""
     import torch
 
-    from stages.ppo.devices import to_device
+    from stages.common.devices import to_device
 
     n = batch["input_ids"].shape[0]
     order = torch.randperm(n, generator=generator)
@@ -79,7 +79,7 @@ class PPOWorker(Workhorse):
         import torch
 
         from stages.common import lora
-        from stages.ppo.devices import process_device
+        from stages.common.devices import process_device
         from stages.common.models import count_parameters, load_model, load_tokenizer, saved_heads, single_head
 
         t1 = time.time()
@@ -179,7 +179,7 @@ class PPOWorker(Workhorse):
         """log p(response token) under this model (or `model`), (B, T), on the CPU; no gradient."""
         import torch
 
-        from stages.ppo.devices import device_of, to_cpu
+        from stages.common.devices import device_of, to_cpu
 
         device = device_of(model or self.engine)
         with torch.no_grad():
@@ -197,7 +197,7 @@ class PPOWorker(Workhorse):
         """V(s) before each response token, (B, T), on the CPU; no gradient."""
         import torch
 
-        from stages.ppo.devices import device_of, to_cpu
+        from stages.common.devices import device_of, to_cpu
 
         device = device_of(self.engine)
         with torch.no_grad():
@@ -205,16 +205,15 @@ class PPOWorker(Workhorse):
 
     def scores(self, pairs: list[tuple[str, str]], micro: int) -> list[list[float]]:
         """Reward-model scores of each (prompt, response), formatted as in its training data: one per head."""
-        from stages.ppo.devices import on_device
         from stages.common.training import reward_scores
 
-        return reward_scores(on_device(self.engine), self.tokenizer, pairs, micro)  # its CPU batches to the model
+        return reward_scores(self.engine, self.tokenizer, pairs, micro)  # it moves its CPU batches to the model
 
     # --------------------------------------------------------------- training
 
     def train_policy(self, batch: dict, hp: dict) -> dict[str, float]:
         """`hp['epochs']` passes of clipped-PPO updates over this rank's rollouts."""
-        from stages.ppo.devices import device_of
+        from stages.common.devices import device_of
         from stages.ppo.losses import policy_loss
         from stages.ppo.rl import kl_penalty, masked_mean
 
@@ -243,7 +242,7 @@ class PPOWorker(Workhorse):
         return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, "policy_train_s": time.time() - t0}
 
     def train_critic(self, batch: dict, hp: dict) -> dict[str, float]:
-        from stages.ppo.devices import device_of
+        from stages.common.devices import device_of
         from stages.ppo.losses import value_loss
 
         self.engine.train()
@@ -317,7 +316,7 @@ def _chunks(batch: dict, size: int, device):
     """Consecutive row chunks of `size` (order kept, last one may be short), each on `device`."""
     import torch
 
-    from stages.ppo.devices import to_device
+    from stages.common.devices import to_device
 
     n = batch["input_ids"].shape[0]
     for i in range(0, n, size):

@@ -259,10 +259,10 @@ class Server:
         import ray
         from ray import serve
 
-        from stages.common.deepspeed import use_gpu
+        from stages.common.devices import cluster_gpus
 
         key = api_key(self.cfg)
-        gpu = use_gpu()
+        gpu = cluster_gpus() > 0  # the cluster's GPUs, not this driver's (stages/common/devices.py)
         have = ray.cluster_resources().get("CPU", 0)
         if have < self.cfg.cpus_needed():
             raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "

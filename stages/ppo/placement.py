@@ -1,0 +1,57 @@
+"""What the ppo stage asks Ray for: one bundle per rank and per engine, by layout and by whether the cluster has GPUs.
+
+The driver decides only what to ask for (from the cluster's GPUs, `devices.cluster_gpus`); each process then computes
+on what Ray gave it (`devices.process_device`). One function says what is asked (`bundles`), so the stage's placement
+groups, the CPU and GPU counts checked at load and at start, and their tests read the same numbers:
+
+- layout **colocated**: one bundle per policy rank, holding every role and the rank's own engine;
+- layout **separate**: a bundle per rank of each role that has ranks of its own (the reference has none when it is
+  the LoRA policy's adapter switched off or sits in the policy ranks), and one per rollout engine.
+
+On GPUs every bundle holds `gpus_per_process` of a GPU: 1 gives each process a GPU of its own; a fraction packs
+several on one (0.25: four processes a GPU, as OpenRLHF's colocate_all; then set rollout.gpu_memory_utilization so
+that the engines leave room for the trainers).
+"""
+
+from __future__ import annotations
+
+
+def roles(cfg) -> dict:
+    """The roles with ranks of their own in the separate layout: name -> its role config."""
+    out = {"policy": cfg.policy}
+    if not (cfg.policy.lora or cfg.reference.colocate):
+        out["reference"] = cfg.reference
+    if cfg.algorithm == "ppo":
+        out["critic"] = cfg.critic
+    if cfg.rewards.model_weight:
+        out["reward"] = cfg.reward
+    if cfg.distill:
+        out["distill"] = cfg.distill.role
+    return out
+
+
+def bundles(cfg, gpu: bool) -> dict[str, list[dict[str, float]]]:
+    """Each process group's bundles (`{"CPU": n, "GPU": share}`), as the stage asks Ray for them."""
+    share = {"GPU": cfg.gpus_per_process} if gpu else {}
+    if cfg.layout == "colocated":  # the policy ranks hold everything
+        return {"policy": [{"CPU": cfg.policy.cpus_per_rank, **share}] * cfg.policy.num_ranks}
+    out = {name: [{"CPU": role.cpus_per_rank, **share}] * role.num_ranks for name, role in roles(cfg).items()}
+    out["engines"] = [{"CPU": cfg.rollout.cpus_per_engine, **share}] * cfg.rollout.num_engines
+    return out
+
+
+def needed(cfg, resource: str) -> float:
+    """The logical CPUs ("CPU") or GPUs ("GPU") the stage reserves at once, on a cluster with GPUs."""
+    return sum(b.get(resource, 0) for group in bundles(cfg, True).values() for b in group)
+
+
+def shortfall(cfg, gpus: float, error: type[Exception] | None = None) -> None:
+    """Refuse, naming the count, a stage whose processes need more GPUs than the cluster's `gpus` (on GPUs only);
+    `error`: ValueError in a config's check hook, else UserError."""
+    from stages.common.devices import check_gpus
+
+    processes = sum(len(group) for group in bundles(cfg, True).values())
+    check_gpus(needed(cfg, "GPU"), gpus, f"stages.ppo: {processes} processes (layout {cfg.layout}) at "
+               f"gpus_per_process {cfg.gpus_per_process:g}", "use fewer ranks or engines, a fraction "
+               "gpus_per_process (several processes a GPU), layout colocated, a larger cluster, or ray.num_gpus: 0 "
+               "to run on the CPU", error)
