@@ -363,8 +363,8 @@ def test_setup_names_missing_python_headers_instead_of_blaming_the_compiler(tmp_
     import sys
 
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts" / "setup.sh")
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    for name in ("scripts/setup.sh", "scripts/check_install.py", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
     python = tmp_path / "python3"  # an interpreter whose headers are missing; the rest is the real one
     python.write_text(f'#!/bin/sh\ncase "$2" in *Python.h*) exit 1;; esac\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)

@@ -5,7 +5,7 @@ Ray's object store); every model may be on a GPU. So a batch goes to its model's
 (`to_device(batch, device_of(model))`), and what a call returns goes back on the CPU (`to_cpu`): a CUDA tensor
 returned to the driver could not be concatenated with another rank's, and keeps a GPU buffer alive through Ray.
 On a CPU both are no-ops (`Tensor.to` returns the tensor itself), so the CPU path is unchanged. The ppo roles and
-the Train stages' loop (sft, reward, dpo: `training.ReplayBatches(device=...)`) use it.
+the Train stages' loop (sft, reward, dpo: `OnDevice` around their replayed batches) use it.
 
 Two sides, never mixed:
 
