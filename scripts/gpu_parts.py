@@ -16,7 +16,8 @@ What each part proves, each timed, all in one JSON (and one line per part on std
   the pipeline moves them (`devices.OnDevice`, the worker's own chunks): a batch left on the CPU fails here with
   "expected all tensors on the same device", as it did in every stage before.
 - `zero3_gather`: the peak device memory of gathering a ZeRO-3 model's parameters one at a time (TRL's weight sync)
-  against all at once (`GatheredParameters` over the whole model, what the colocated sync does today).
+  and in the weight sync's own chunks (stages/ppo/weight_chunks.py, what both layouts' syncs do) against all at
+  once (`GatheredParameters` over the whole model, what the syncs did before).
 
 On the CPU the memory figures are the bytes gathered at once (no allocator statistics there); on a GPU, torch's
 `max_memory_allocated`. It imports only what the machine has: `stages.ppo.worker` names Ray for its actor
@@ -255,15 +256,31 @@ def main(argv: list[str]) -> int:
                 with deepspeed.zero.GatheredParameters([p]):
                     pass
 
+        from stages.ppo.weight_chunks import groups, piece_bytes, weight_chunks
+        from stages.common.lora import pieces
+
+        # The sync's own chunks (stages/ppo/weight_chunks.py), at a budget of a quarter of this tiny model so that
+        # it takes several; at the default (256 MiB) a 135M model is one or two.
+        budget = max(1, sum(sizes) // 4)
+        chunk_sizes = [sum(piece_bytes(pieces(eng.module)[i][1]) for i in g)
+                       for g in groups([piece_bytes(m) for _, m in pieces(eng.module)], budget)]
+
+        def chunked():
+            for _ in weight_chunks(eng.module, zero3=True, budget=budget):
+                pass
+
         t0 = time.time()
         whole_mb = peak(whole)
         t1 = time.time()
         per_mb = peak(per_parameter)
         t2 = time.time()
+        chunk_mb = peak(chunked)
+        t3 = time.time()
         return {"whole_model_gathered_mb": round(sum(sizes) / 2**20, 3),
                 "per_parameter_gathered_mb": round(max(sizes) / 2**20, 3),
-                "whole_model_peak_mb": whole_mb, "per_parameter_peak_mb": per_mb,
-                "whole_model_s": round(t1 - t0, 3), "per_parameter_s": round(t2 - t1, 3)}
+                "chunked_gathered_mb": round(max(chunk_sizes) / 2**20, 3), "chunks": len(chunk_sizes),
+                "whole_model_peak_mb": whole_mb, "per_parameter_peak_mb": per_mb, "chunked_peak_mb": chunk_mb,
+                "whole_model_s": round(t1 - t0, 3), "per_parameter_s": round(t2 - t1, 3), "chunked_s": round(t3 - t2, 3)}
 
     parts.run("zero3_gather", zero3_gather)
     report = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,

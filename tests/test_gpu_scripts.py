@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # ModuleNotFoundError and importlib.util.find_spec answers None, as libraries' optional-import probes expect).
 BARE = """
 import runpy, sys
-for name in ("ray", "vllm", "mlflow", "pyarrow", "datasets", "pandas"):
+for name in ("ray", "vllm", "mlflow", "pyarrow", "datasets", "pandas", "peft"):
     sys.modules[name] = None
 sys.argv = [sys.argv[1], *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -41,6 +41,7 @@ def test_gpu_parts_runs_every_part_without_ray_or_vllm(tmp_path):
     assert parts["ppo_policy"]["logprobs_on"] == "cpu"  # results come back on the CPU
     gather = parts["zero3_gather"]
     assert 0 < gather["per_parameter_gathered_mb"] < gather["whole_model_gathered_mb"]
+    assert gather["chunks"] >= 4 and 0 < gather["chunked_gathered_mb"] < gather["whole_model_gathered_mb"] / 2
     assert parts["deepspeed[zero2,bf16]"]["ok"] is None  # said, not claimed: no bf16 on this CPU run
 
 

@@ -273,6 +273,20 @@ def test_the_engines_compute_in_the_policys_precision():
     assert engine_dtype(fp32.policy, gpu=True) == "float32"
 
 
+def test_the_engines_token_budget_reaches_vllm_and_a_cpu_budget_below_a_prompt_is_refused():
+    from pipeline.errors import UserError
+    from stages.common.engines import EngineSpec, llm_kwargs
+    from stages.ppo.roles import batched_tokens
+
+    assert "max_num_batched_tokens" not in llm_kwargs("m", EngineSpec(max_model_len=64), 0)  # vLLM's default
+    assert llm_kwargs("m", EngineSpec(max_model_len=64, max_num_batched_tokens=512), 0)["max_num_batched_tokens"] == 512
+    assert batched_tokens(_ppo().rollout, 100, gpu=False) is None
+    short = _ppo(rollout={"max_num_batched_tokens": 64}).rollout
+    assert batched_tokens(short, 100, gpu=True) == 64  # chunked prefill on GPUs splits a longer prompt
+    with pytest.raises(UserError, match="max_num_batched_tokens is 64.*at least 100"):
+        batched_tokens(short, 100, gpu=False)
+
+
 # --------------------------------------------------------------------------- the colocated engine's sleep cycle
 
 

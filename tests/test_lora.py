@@ -1,7 +1,9 @@
-"""LoRA's pure parts (stages/common/lora.py): merged weights, adapter files, the reference, config."""
+"""LoRA's pure parts (stages/common/lora.py): merged weights, adapter files, the reference, config; and the weight
+sync's chunks (stages/ppo/weight_chunks.py): together the merged weights, each gathered alone."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 from conftest import smoke_config
 from pipeline.errors import ConfigError
 from stages.common import lora, models
+from stages.common.engines import distinct
+from stages.ppo import weight_chunks
 
 
 def _tiny(kind: str, heads: int = 1):
@@ -125,3 +129,96 @@ def test_lora_with_zero3_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError) as exc:
         smoke_config(tmp_path, "stages.sft.lora.r=8", "stages.sft.deepspeed.zero_stage=3")
     assert "stages.sft" in str(exc.value) and "use zero_stage 2" in str(exc.value)
+
+
+# --------------------------------------------------------------------------- the weight sync's chunks
+
+
+def _joined(chunks) -> dict:
+    out: dict = {}
+    for chunk in chunks:
+        assert not set(chunk) & set(out), "a weight given twice"
+        out.update(chunk)
+    return out
+
+
+def test_groups_close_once_they_reach_the_budget_so_a_group_holds_less_than_budget_plus_one_piece():
+    assert weight_chunks.groups([3, 3, 3, 10, 1], budget=5) == [[0, 1], [2, 3], [4]]
+    assert weight_chunks.groups([10, 1], budget=5) == [[0], [1]]
+    assert weight_chunks.groups([1, 1, 1], budget=100) == [[0, 1, 2]]
+    assert weight_chunks.groups([], budget=5) == []
+
+
+@pytest.mark.parametrize("lora_kind", [None, "causal", "sequence"])
+def test_chunks_together_are_the_merged_weights_with_a_tied_weight_once(lora_kind):
+    model = _tiny(lora_kind or "causal")
+    model = _trained(model, lora_kind) if lora_kind else model
+    whole = distinct(lora.merged_state_dict(model))  # what the whole-model sync sent
+    chunks = list(weight_chunks.weight_chunks(model, zero3=False, budget=1))  # budget 1 byte: one piece per chunk
+    assert len(chunks) == len(lora.pieces(model)) - (lora_kind != "sequence")  # lm_head: tied, given with embed
+    joined = _joined(chunks)
+    assert list(joined) == list(whole)  # same names, same order
+    assert all(torch.equal(joined[k], whole[k]) for k in whole)
+    assert "lm_head.weight" not in joined and "model.embed_tokens.weight" in joined
+    assert not any(".lora_" in k or "base_layer" in k or "modules_to_save" in k for k in joined)
+    if lora_kind:  # the adapted weights differ from the base's: merged, not the base alone
+        base = lora.base_of(model).model.layers[0].self_attn.q_proj.base_layer.weight
+        assert not torch.equal(joined["model.layers.0.self_attn.q_proj.weight"], base)
+    one = list(weight_chunks.weight_chunks(model, zero3=False))  # the default budget: this tiny model in one chunk
+    assert len(one) == 1 and list(one[0]) == list(whole)
+
+
+def test_under_zero3_each_chunk_is_gathered_alone_and_consumed_while_gathered(monkeypatch):
+    """A recording stand-in for DeepSpeed's GatheredParameters: every parameter is gathered exactly once, a
+    gather holds at most the budget plus one piece, and the chunk is handed over while its gather is open
+    (after it closes, ZeRO-3 would have released the tensors)."""
+    import deepspeed
+
+    model = _trained(_tiny("causal"), "causal")
+    calls, open_ = [], []
+
+    @contextlib.contextmanager
+    def gathered(params, modifier_rank=None, enabled=True):
+        assert enabled and modifier_rank is None
+        calls.append([id(p) for p in params])
+        open_.append(True)
+        try:
+            yield
+        finally:
+            open_.pop()
+
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gathered)
+    sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    largest = max(weight_chunks.piece_bytes(m) for _, m in lora.pieces(model))
+    budget = 40_000
+    for chunk in weight_chunks.weight_chunks(model, zero3=True, budget=budget):
+        assert open_ == [True] and chunk  # handed over inside its gather
+    assert len(calls) > 3  # the model did not go in one gather
+    flat = [i for call in calls for i in call]
+    assert sorted(flat) == sorted(sizes)  # each parameter once (the tied embedding too), none left out
+    assert all(sum(sizes[i] for i in call) < budget + largest for call in calls)
+
+
+def test_an_engine_loads_chunks_in_one_layerwise_reload():
+    """RolloutEngine.load_weights: a whole dict is one call; chunks are begin, one call each, finish."""
+    from stages.common.engines import RolloutEngine
+
+    class FakeLLM:
+        def __init__(self):
+            self.calls = []
+
+        def collective_rpc(self, method, args=()):
+            self.calls.append((method, tuple(len(a) for a in args)))
+
+        def reset_prefix_cache(self):
+            self.calls.append(("reset_prefix_cache", ()))
+
+    engine = object.__new__(RolloutEngine)
+    engine.llm, engine.version = FakeLLM(), 0
+    engine.load_weights({"a": 1, "b": 2}, version=1)
+    assert engine.llm.calls == [("load_synced_weights", (2,)), ("reset_prefix_cache", ())] and engine.version == 1
+    engine.llm.calls.clear()
+    engine.load_weights(iter([{"a": 1}, {"b": 2, "c": 3}]), version=2)
+    assert engine.llm.calls == [("begin_weight_sync", ()), ("load_weight_chunk", (1,)), ("load_weight_chunk", (2,)),
+                                ("finish_weight_sync", ()), ("reset_prefix_cache", ())]
+    assert engine.version == 2

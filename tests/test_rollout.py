@@ -68,7 +68,7 @@ def _logprob_mismatch(engine, model, prompts: list[list[int]]) -> dict[str, floa
     return rl.logprob_mismatch(trainer, engine_lp, batch["response_mask"])
 
 
-@pytest.mark.tier("faults", covers=("stages/common/engines.py", "stages/ppo/roles.py"))
+@pytest.mark.tier("faults", covers=("stages/common/engines.py", "stages/ppo/roles.py", "stages/ppo/weight_chunks.py"))
 def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, model_dir):
     import copy
 
@@ -117,9 +117,11 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
         stale = _logprob_mismatch(pool.engines[0], AutoModelForCausalLM.from_pretrained(model_dir).eval(), prompts)
         assert stale["logprob_mismatch_mean"] > 100 * max(mismatch["logprob_mismatch_mean"], 1e-6), (stale, mismatch)
 
-        # A LoRA policy syncs its merged weights (base + adapter, `lora.merged_state_dict`): the engines then
-        # generate exactly what the trainer's PEFT model does.
+        # A LoRA policy syncs its merged weights (base + adapter), here a piece per chunk as a colocated rank
+        # hands them over (stages/ppo/weight_chunks.py: one layerwise reload fed many chunks, a fused vLLM layer
+        # such as qkv_proj spanning several): the engines then generate exactly what the trainer's PEFT model does.
         from stages.common import lora
+        from stages.ppo.weight_chunks import weight_chunks
 
         policy = lora.wrap(copy.deepcopy(model), lora.LoraSection(r=4, alpha=8), "causal")
         with torch.no_grad():
@@ -128,7 +130,9 @@ def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, mode
                     p.add_(torch.randn_like(p) * 0.3)
         with_adapter = _hf_greedy(policy, prompts, n)
         assert with_adapter != expected  # the adapter changes the greedy answers
-        pool.sync(ray.put(weights_to_numpy(lora.merged_state_dict(policy))))
+        chunks = [weights_to_numpy(c) for c in weight_chunks(policy, zero3=False, budget=1)]
+        assert len(chunks) > 10
+        ray.get([e.load_weights.remote(chunks) for e in pool.engines])
         assert engine_tokens() == [with_adapter, with_adapter]
         pool.sync(ray.put(weights_to_numpy(model.state_dict())))  # back to the plain update for what follows
 

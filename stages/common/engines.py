@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 EXTENSION = "stages.common.engines.WeightSyncExtension"
 HEARTBEAT_S = 1.0  # a followed call reports at least this often while its loop runs
@@ -103,17 +103,34 @@ def nbytes(weights: dict[str, Any]) -> int:
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); runs where the model lives."""
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs where the model lives.
 
-    def load_synced_weights(self, weights: dict[str, Any]) -> int:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    A sync is vLLM's layerwise reload: begun once, fed one or more chunks (each `model.load_weights` call
+    adds to every layer's loaded count, so a layer may span chunks), finished once; a layer is processed
+    when all its weights have arrived. Chunks keep the sender's memory to one chunk
+    (stages/ppo/weight_chunks.py)."""
+
+    def begin_weight_sync(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def load_weight_chunk(self, weights: dict[str, Any]) -> int:
+        self.model_runner.get_model().load_weights(weights=numpy_to_tensors(weights))
+        return len(weights)
+
+    def finish_weight_sync(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         model = self.model_runner.get_model()
-        initialize_layerwise_reload(model)
-        model.load_weights(weights=numpy_to_tensors(weights))
         finalize_layerwise_reload(model, self.model_config)
         _refresh_tied_head(model)
-        return len(weights)
+
+    def load_synced_weights(self, weights: dict[str, Any]) -> int:
+        self.begin_weight_sync()
+        loaded = self.load_weight_chunk(weights)
+        self.finish_weight_sync()
+        return loaded
 
 
 def _refresh_tied_head(model) -> None:
@@ -163,6 +180,7 @@ class EngineSpec:
     backend: str = "uni"
     sleep_mode: bool = False  # inside a rank on a GPU: release the engine's memory while the rank trains
     sleep_level: int = 2  # with sleep_mode: 2 discards the weights asleep, 1 keeps them in CPU memory (ppo/sleep.py)
+    max_num_batched_tokens: int | None = None  # vLLM's scheduler budget per step (None: vLLM's default)
 
     def runtime_env(self) -> dict:
         # Read by vLLM at import and engine start, so they must be in the actor's environment.
@@ -200,6 +218,8 @@ def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
                   gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                   enable_prefix_caching=True, load_format="safetensors",  # never pickle weights (they can run code)
                   enable_chunked_prefill=spec.gpu)
+    if spec.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.backend == "external_launcher":
         if spec.gpu:
             kwargs["enable_sleep_mode"] = spec.sleep_mode
@@ -258,11 +278,18 @@ class RolloutEngine:
                                  use_tqdm=False)
         return [[{**_sample(c), "version": self.version} for c in o.outputs] for o in outs]
 
-    def load_weights(self, weights: dict[str, Any], version: int | None = None) -> float:
-        """Load the policy's weights (a ref resolved by Ray: zero-copy numpy); returns seconds taken.
+    def load_weights(self, weights: dict[str, Any] | Iterable[dict[str, Any]], version: int | None = None) -> float:
+        """Load the policy's weights, whole (a ref resolved by Ray: zero-copy numpy) or as chunks of tensors
+        (a colocated rank's `weight_chunks`, each loaded before the next is gathered); returns seconds taken.
         `version` (the policy updates they include) tags what the engine generates from now on."""
         t0 = time.time()
-        self.llm.collective_rpc("load_synced_weights", args=(weights,))
+        if isinstance(weights, dict):
+            self.llm.collective_rpc("load_synced_weights", args=(weights,))
+        else:
+            self.llm.collective_rpc("begin_weight_sync")
+            for chunk in weights:
+                self.llm.collective_rpc("load_weight_chunk", args=(chunk,))
+            self.llm.collective_rpc("finish_weight_sync")
         self.llm.reset_prefix_cache()
         self.version = self.version + 1 if version is None else version
         return time.time() - t0

@@ -48,9 +48,20 @@ def wrap(model, lora: LoraSection, kind: str, activation_checkpointing: bool = F
 
 
 def is_peft(model) -> bool:
-    from peft import PeftModel
-
+    try:
+        from peft import PeftModel
+    except ImportError:  # a bare GPU machine without PEFT (scripts/gpu_parts.py): no model there has adapters
+        return False
     return isinstance(model, PeftModel)
+
+
+def _lora_layer() -> type:
+    """PEFT's LoRA layer class; without PEFT installed a class no module is an instance of (as `is_peft`)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return type("NoLoraLayer", (), {})
+    return LoraLayer
 
 
 def base_of(model):
@@ -67,20 +78,61 @@ def merged_state_dict(model) -> dict:
     (non-PEFT) model returns its own state dict."""
     if not is_peft(model):
         return model.state_dict()
-    from peft.tuners.lora import LoraLayer
+    return {k: v for name, module in pieces(model) for k, v in piece_weights(name, module)}
 
-    base = model.get_base_model()
-    deltas = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.disable_adapters and module.active_adapters:
-            deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters)
-    out = {}
-    for key, value in base.state_dict().items():
-        if ".lora_" in key or ".original_module." in key:
+
+def pieces(model) -> list[tuple[str, object]]:
+    """The modules that hold the model's weights, in state-dict order: an adapted layer whole (its base
+    weight and its adapter merge into one weight), else each module with parameters or persistent buffers
+    of its own. PEFT's frozen copy of a trained head (`original_module`) is left out. The weight sync
+    (stages/ppo/weight_chunks.py) gathers and merges them a few at a time instead of the whole model."""
+    layer_type = _lora_layer()
+    out: list[tuple[str, object]] = []
+    inside = None  # the adapted layer whose submodules are already part of its piece
+    for name, module in base_of(model).named_modules():
+        if inside is not None and name.startswith(inside):
             continue
-        name = re.sub(r"\.modules_to_save\.[^.]+\.", ".", key.replace(".base_layer.", "."))
-        out[name] = value + deltas[name].to(value.dtype) if name in deltas else value
+        inside = None
+        if ".original_module" in f".{name}" or name.startswith("original_module"):
+            continue
+        if isinstance(module, layer_type):
+            out.append((name, module))
+            inside = f"{name}."
+        elif any(p is not None for p in module._parameters.values()) or _persistent_buffers(module):
+            out.append((name, module))
     return out
+
+
+def piece_weights(name: str, module, seen: set[int] | None = None):
+    """(HF name, tensor) for one of `pieces`: an adapted layer's weight as base + delta (a new tensor, this
+    layer's only). With `seen`, a parameter already given (a tied head) is given once."""
+    layer_type = _lora_layer()
+    prefix = f"{name}." if name else ""
+    if isinstance(module, layer_type):
+        active = not module.disable_adapters and module.active_adapters
+        delta = sum(module.get_delta_weight(a) for a in module.active_adapters) if active else None
+        for key, value in module.state_dict(prefix=prefix).items():
+            if ".lora_" in key:
+                continue
+            hf = _hf_name(key)
+            yield hf, value + delta.to(value.dtype) if delta is not None and hf == _hf_name(f"{prefix}weight") else value
+        return
+    for key, param in module._parameters.items():
+        if param is None or (seen is not None and id(param) in seen):
+            continue
+        if seen is not None:
+            seen.add(id(param))
+        yield _hf_name(prefix + key), param.detach()
+    for key, buffer in _persistent_buffers(module):
+        yield _hf_name(prefix + key), buffer.detach()
+
+
+def _persistent_buffers(module) -> list:
+    return [(k, b) for k, b in module._buffers.items() if b is not None and k not in module._non_persistent_buffers_set]
+
+
+def _hf_name(key: str) -> str:
+    return re.sub(r"\.modules_to_save\.[^.]+\.", ".", key.replace(".base_layer.", "."))
 
 
 # --------------------------------------------------------------------------- adapter files

@@ -96,20 +96,22 @@ class ColocatedRank(PPOWorker):
     def sync_engine(self, version: int) -> tuple[float, int]:
         """The policy's current weights into this rank's engine, in place; (seconds, bytes handed over).
 
-        Under ZeRO-3 every rank gathers the full weights (a collective) and loads its own engine; otherwise each
-        rank already holds them. A LoRA policy's adapter is merged first (`merged_state_dict`), base untouched."""
-        import deepspeed
+        Chunk by chunk (stages/ppo/weight_chunks.py): under ZeRO-3 every rank gathers a chunk (a collective)
+        and loads it into its own engine before the next; otherwise each rank already holds the weights. A
+        LoRA policy's adapted layers are merged a chunk at a time, base untouched."""
+        from stages.ppo.weight_chunks import weight_chunks
 
-        from stages.common.engines import distinct
-        from stages.common.lora import merged_state_dict
+        t0, handed = time.time(), 0
 
-        t0 = time.time()
-        params = list(self.engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.engine.zero_optimization_stage() == 3):
-            weights = distinct(merged_state_dict(self.engine.module))
-            self.cycle.load(lambda: self.rollout.load_weights(weights, version))
-            self.version = version
-        return time.time() - t0, sum(t.numel() * t.element_size() for t in weights.values())
+        def chunks():
+            nonlocal handed
+            for chunk in weight_chunks(self.engine.module, self.engine.zero_optimization_stage() == 3):
+                handed += sum(t.numel() * t.element_size() for t in chunk.values())
+                yield chunk
+
+        self.cycle.load(lambda: self.rollout.load_weights(chunks(), version))
+        self.version = version
+        return time.time() - t0, handed
 
 
 class RoleView:

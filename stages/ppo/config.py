@@ -82,19 +82,16 @@ class RolloutConfig(Section):
 
     model_config = ConfigDict(extra="forbid", validate_default=True, frozen=True, populate_by_name=True)
 
-    async_: bool = Field(False, alias="async", description="One-step off-policy: the engines generate iteration "
-                         "i+1's rollouts (with the weights before update i) while the policy scores and trains on "
-                         "iteration i's. Generation overlaps training; rollouts are then at most one policy update "
-                         "old (the bound, checked every iteration and logged as `staleness`), and the policy loss is "
-                         "corrected by truncated importance weights min(pi_old / pi_rollout, tis.cap) per token. "
-                         "PPO and the critic-free algorithms alike.")
-    engine_logprobs: bool = Field(False, description="Take the old policy's log-probs from the engines (the "
-                                  "log-probs of the tokens they sampled) instead of a forward pass of the policy ranks "
-                                  "over every rollout: one pass less per iteration. Exact when the engines compute as "
-                                  "the trainer (fp32 on CPU: logprob_mismatch ~1e-6; check it before turning this on "
-                                  "with bf16 engines). With `async` the PPO ratio is then taken against the policy that "
-                                  "sampled, one update old, which needs no importance weights. `logprob_mismatch_*` is "
-                                  "not measured.")
+    async_: bool = Field(False, alias="async", description="One-step off-policy: the engines generate iteration i+1's "
+                         "rollouts (with the weights before update i) while the policy scores and trains on iteration "
+                         "i's. Rollouts are then at most one policy update old (checked every iteration, logged as "
+                         "`staleness`); the policy loss is corrected by truncated importance weights min(pi_old / "
+                         "pi_rollout, tis.cap) per token. PPO and the critic-free algorithms alike.")
+    engine_logprobs: bool = Field(False, description="Take the old policy's log-probs from the engines (those of "
+        "the tokens they sampled) instead of a forward pass of the policy ranks over every rollout: one pass less per "
+        "iteration. Exact when the engines compute as the trainer (fp32 on CPU: logprob_mismatch ~1e-6; check it "
+        "before turning this on with bf16 engines). With `async` the PPO ratio is then taken against the policy that "
+        "sampled, one update old, which needs no importance weights. `logprob_mismatch_*` is not measured.")
     num_engines: int = Field(2, ge=1, description="vLLM engines, one Ray actor each.")
     cpus_per_engine: float = Field(1.0, gt=0, description="Logical CPUs each engine reserves.")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache per engine in GiB (VLLM_CPU_KVCACHE_SPACE on CPU).")
@@ -107,6 +104,9 @@ class RolloutConfig(Section):
                              "awake. Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
     sleep_level: Literal[1, 2] = Field(2, description="With sleep_mode: 2 discards the weights asleep, the sync loads "
                                        "them (TRL's order); 1 copies them to CPU memory and back (stages/ppo/sleep.py).")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens each engine schedules per step (vLLM's "
+        "own key; empty: vLLM's default). On GPUs, with chunked prefill, it trades prefill against decode latency; on "
+        "CPU (no chunked prefill) it must hold the longest prompt plus max_new_tokens.")
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""

@@ -105,6 +105,17 @@ def memory_share(rollout, layout: str, gpu: bool) -> float:
     return 0.9 if gpu and layout == "separate" else 0.3
 
 
+def batched_tokens(rollout, longest: int, gpu: bool) -> int | None:
+    """`rollout.max_num_batched_tokens`, refused before any engine starts where vLLM would refuse it: on the CPU
+    (no chunked prefill, stages/common/engines.py) a step must hold the longest prompt and its response."""
+    budget = rollout.max_num_batched_tokens
+    if budget is not None and not gpu and budget < longest:
+        raise UserError(f"stages.ppo.rollout.max_num_batched_tokens is {budget}, but the longest prompt plus "
+                        f"max_new_tokens is {longest} tokens and the CPU engines cannot split a prompt: set it to "
+                        f"at least {longest}, or leave it empty")
+    return budget
+
+
 def engine_dtype(policy, gpu: bool) -> str:
     """The rollout engines' dtype: the policy's training precision on GPUs (`policy.deepspeed.precision`; 'auto' is
     bf16 there), so that sampler and trainer compute alike and vLLM's flash attention backends (fp16/bf16 only)
@@ -215,6 +226,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
                       kv_cache_gb=cfg.rollout.kv_cache_gb, dtype=engine_dtype(cfg.policy, gpu),
                       gpu_memory_utilization=memory_share(cfg.rollout, cfg.layout, gpu),
                       num_cpus=cfg.rollout.cpus_per_engine,
+                      max_num_batched_tokens=batched_tokens(cfg.rollout, longest, gpu),
                       storage=ctx.storage, env=allowance_env())  # the python tool's run_python
     try:
         roles = [("policy", cfg.policy, "causal", sft, True)]

@@ -262,24 +262,22 @@ class PPOWorker(Workhorse):
     # --------------------------------------------------------------- weights and checkpoints
 
     def export_weights(self) -> list | None:
-        """Full weights as numpy into the object store, once (collective under ZeRO-3: gathered first).
+        """Full weights as numpy into the object store, once (collective under ZeRO-3: gathered a chunk at a time,
+        stages/ppo/weight_chunks.py, so the device holds one chunk beyond the rank's shard, never the model).
 
         Rank 0 returns `[ref, bytes]`: the ref wrapped in a list so the driver receives the ref itself and hands
         it on to the engines, instead of Ray resolving (copying) the weights into the driver.
         """
-        import deepspeed
         import ray
 
-        from stages.common.lora import merged_state_dict
         from stages.common.engines import nbytes, weights_to_numpy
+        from stages.ppo.weight_chunks import weight_chunks
 
-        params = list(self.engine.module.parameters())
-        zero3 = self.engine.zero_optimization_stage() == 3
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):
-            if self.rank != 0:
-                return None
-            weights = weights_to_numpy(merged_state_dict(self.engine.module))  # LoRA: merged, base untouched
-            return [ray.put(weights), nbytes(weights)]
+        weights: dict = {}
+        for chunk in weight_chunks(self.engine.module, self.engine.zero_optimization_stage() == 3):
+            if self.rank == 0:  # a LoRA policy's chunks come merged, base untouched
+                weights.update(weights_to_numpy(chunk))
+        return [ray.put(weights), nbytes(weights)] if self.rank == 0 else None
 
     def save(self, directory: str) -> None:
         import deepspeed.comm as dist
