@@ -205,6 +205,38 @@ def test_the_bundles_asked_of_ray_follow_the_layout_and_the_gpus():
     assert set(bundles(grpo, True)) == {"policy", "engines"}  # no critic, reference = adapter off, no reward model
 
 
+def test_a_tensor_parallel_engine_asks_for_whole_gpus_and_is_refused_where_it_cannot_run(monkeypatch):
+    """rollout.tensor_parallel_size N: each separate engine holds N GPUs and runs vLLM's multiprocessing executor over
+    them; refused in the colocated layout, with a GPU fraction, and on a Ray without GPUs (at load and at start)."""
+    import ray
+
+    from pipeline.config import load_config
+    from pipeline.errors import UserError
+    from stages.common.engines import EngineSpec, llm_kwargs
+    from stages.ppo.placement import bundles, needed
+    from stages.ppo.roles import _check_cluster
+
+    cfg = _ppo(layout="separate", rollout={"tensor_parallel_size": 2, "num_engines": 2})
+    assert bundles(cfg, True)["engines"] == [{"CPU": 1.0, "GPU": 2.0}] * 2
+    assert all(b == {"CPU": 1, "GPU": 1.0} for b in bundles(cfg, True)["policy"])  # the trainers keep one each
+    assert needed(cfg, "GPU") == needed(_ppo(layout="separate", rollout={"num_engines": 2}), "GPU") + 2
+    spec = EngineSpec(max_model_len=8, gpu=True, tensor_parallel_size=2)
+    assert spec.gpus() == 2 and EngineSpec(max_model_len=8, tensor_parallel_size=2).gpus() == 0
+    kwargs = llm_kwargs("m", spec, 0)
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["distributed_executor_backend"] == "mp"
+    assert "tensor_parallel_size" not in llm_kwargs("m", EngineSpec(max_model_len=8, gpu=True), 0)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: in layout colocated"):
+        _ppo(layout="colocated", rollout={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="needs a GPU of its own, but gpus_per_process is 0.5"):
+        _ppo(layout="separate", gpus_per_process=0.5, rollout={"tensor_parallel_size": 2})
+    tp = ["stages.ppo.layout=separate", "stages.ppo.rollout.tensor_parallel_size=2", "stages.ppo.rollout.num_engines=1"]
+    with pytest.raises(UserError, match="tensor_parallel_size is 2, but the Ray cluster has no GPUs"):
+        load_config("configs/smoke.yaml", ["ray.num_gpus=0", *tp])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64})
+    with pytest.raises(UserError, match="tensor_parallel_size is 2, but the Ray cluster has no GPUs"):
+        _check_cluster(cfg, gpu=False)
+
+
 def test_each_role_and_engine_asks_ray_for_its_bundle(monkeypatch):
     """What start_role and the engine pool ask Ray for is what placement.bundles says."""
     import stages.ppo.groups as groups
@@ -228,7 +260,7 @@ def test_each_role_and_engine_asks_ray_for_its_bundle(monkeypatch):
             start_role(name, role, "causal", "m", cfg, True, gpu, 0, 0, None)
             assert asked[name] == bundles(cfg, gpu)[name]
     spec = EngineSpec(max_model_len=8, gpu=True, gpu_share=cfg.gpus_per_process)
-    assert {"CPU": spec.num_cpus, "GPU": spec.gpu_share} == bundles(cfg, True)["engines"][0]
+    assert {"CPU": spec.num_cpus, "GPU": spec.gpus()} == bundles(cfg, True)["engines"][0]
 
 
 def test_a_gpu_shortfall_is_refused_at_load_with_the_count(monkeypatch):

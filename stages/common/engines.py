@@ -181,6 +181,11 @@ class EngineSpec:
     sleep_mode: bool = False  # inside a rank on a GPU: release the engine's memory while the rank trains
     sleep_level: int = 2  # with sleep_mode: 2 discards the weights asleep, 1 keeps them in CPU memory (ppo/sleep.py)
     max_num_batched_tokens: int | None = None  # vLLM's scheduler budget per step (None: vLLM's default)
+    tensor_parallel_size: int = 1  # GPUs an engine of its own shards over (gpu_share of each; vLLM's "mp" executor)
+
+    def gpus(self) -> float:
+        """What the engine asks Ray for: its share of a GPU per shard (none on the CPU)."""
+        return self.gpu_share * self.tensor_parallel_size if self.gpu else 0
 
     def runtime_env(self) -> dict:
         # Read by vLLM at import and engine start, so they must be in the actor's environment.
@@ -218,6 +223,8 @@ def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
                   gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                   enable_prefix_caching=True, load_format="safetensors",  # never pickle weights (they can run code)
                   enable_chunked_prefill=spec.gpu)
+    if spec.tensor_parallel_size > 1 and spec.backend == "uni":  # its shards as processes of the actor, on the GPUs Ray gave the actor
+        kwargs.update(tensor_parallel_size=spec.tensor_parallel_size, distributed_executor_backend="mp")
     if spec.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
     if spec.backend == "external_launcher":
@@ -391,7 +398,7 @@ class EnginePool:
         from ray.util.placement_group import placement_group
 
         self.model_dir, self.spec, self.restarts, self.engine_cls = model_dir, spec, 0, engine_cls
-        bundle = {"CPU": spec.num_cpus, **({"GPU": spec.gpu_share} if spec.gpu else {})}
+        bundle = {"CPU": spec.num_cpus, **({"GPU": spec.gpus()} if spec.gpu else {})}
         self.pg = placement_group([bundle] * num_engines, strategy=strategy)
         self.engines = [self._start(i) for i in range(num_engines)]  # they wait for the placement group
         self.weights_ref, self.version = None, None  # the last synced weights, to bring a restarted engine up to date
@@ -410,7 +417,7 @@ class EnginePool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor = ray.remote(self.engine_cls).options(
-            num_cpus=self.spec.num_cpus, num_gpus=self.spec.gpu_share if self.spec.gpu else 0,
+            num_cpus=self.spec.num_cpus, num_gpus=self.spec.gpus(),
             runtime_env=self.spec.runtime_env(),
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index),
             name=None, max_concurrency=1,

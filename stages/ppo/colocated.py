@@ -14,7 +14,7 @@ new weights reach it in place (`ColocatedRank.sync_engine`): the trainer's tenso
 The loop in `stages/ppo/__init__.py` does not know which layout it drives: `RoleView` makes each role of the
 ranks answer as a `ModelGroup` does (`run`, `run_each`, `get`), and `RankEngines` makes the ranks' engines
 answer as an `EnginePool` does (`engines`, `sync`, `kill`, `retrying`). What the layout cannot do it refuses
-at validation (`config._fits_layout`): `rollout.async` (one process cannot generate while it trains) and
+at validation (`placement.fits_layout`): `rollout.async` (one process cannot generate while it trains) and
 environments (a stalled environment is ended by killing the engine's process, here a policy rank).
 
 A rank that dies takes its engine and its training state with it; nothing can be restarted in place, so a

@@ -14,7 +14,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from pipeline.schema import Section
 from stages.common.deepspeed import DeepSpeedSection, LoraSection, zero3_problem
-from stages.ppo.placement import needed, shortfall
+from stages.ppo.placement import fits_layout, needed, on_cpu, shortfall
 
 GROUPED = ("grpo", "rloo", "dr_grpo")  # baselines from the other samples of the same prompt
 
@@ -105,8 +105,9 @@ class RolloutConfig(Section):
     sleep_level: Literal[1, 2] = Field(2, description="With sleep_mode: 2 discards the weights asleep, the sync loads "
                                        "them (TRL's order); 1 copies them to CPU memory and back (stages/ppo/sleep.py).")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens each engine schedules per step (vLLM's "
-        "own key; empty: vLLM's default). On GPUs, with chunked prefill, it trades prefill against decode latency; on "
-        "CPU (no chunked prefill) it must hold the longest prompt plus max_new_tokens.")
+        "key; empty: its default). On CPU (no chunked prefill) at least the longest prompt plus max_new_tokens.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each engine shards its model over (vLLM's key, its "
+        "multiprocessing executor inside the engine's actor). Layout separate on GPUs, with gpus_per_process 1.")
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""
@@ -421,7 +422,7 @@ class PPOConfig(Section):
             if self.mini_batch_size % per_step:
                 raise ValueError(f"mini_batch_size ({self.mini_batch_size}) must be a multiple of micro_batch_size x "
                                  f"{name}.num_ranks ({self.micro_batch_size} x {self.ranks(role)} = {per_step})")
-        _fits_layout(self)
+        fits_layout(self)
         return self
 
     def ranks(self, role) -> int:
@@ -444,33 +445,6 @@ class PPOConfig(Section):
         return needed(self, "CPU")
 
 
-def _fits_layout(cfg: PPOConfig) -> None:
-    """What the colocated layout cannot do, refused with the reason and the fix (docs/architecture.md)."""
-    if cfg.layout == "separate" and cfg.rollout.sleep_mode:
-        raise ValueError("rollout.sleep_mode: an engine of its own (layout separate) has no trainer to give its "
-                         "memory to; set stages.ppo.layout: colocated, or remove rollout.sleep_mode")
-    if cfg.layout == "separate":
-        return
-    fix = "or set stages.ppo.layout: separate"
-    if cfg.rollout.async_:
-        raise ValueError("rollout.async: in layout colocated a rank's engine and trainer share one process and take "
-                         f"turns, so generation cannot overlap training; set rollout.async: false, {fix}")
-    if cfg.environment:
-        raise ValueError("environment: an environment runs your code beside the engine, and one that holds the "
-                         "interpreter is ended by killing the engine's process, which in layout colocated is a "
-                         f"policy rank (its training state with it); {fix}")
-    n = cfg.policy.num_ranks
-    given = [("rollout.num_engines", cfg.rollout.num_engines)] if "num_engines" in cfg.rollout.model_fields_set else []
-    used = [("critic", cfg.critic)] * (cfg.algorithm == "ppo") + [("reference", cfg.reference)] \
-        + [("reward", cfg.reward)] * bool(cfg.rewards.model_weight) \
-        + ([("distill.role", cfg.distill.role)] if cfg.distill else [])
-    given += [(f"{name}.num_ranks", role.num_ranks) for name, role in used if "num_ranks" in role.model_fields_set]
-    for key, value in given:
-        if value != n:
-            raise ValueError(f"{key}: {value}, but in layout colocated every role and one engine sit in each of the "
-                             f"policy's {n} ranks; remove {key} (or set it to {n}), {fix}")
-
-
 def check(pipeline_cfg) -> None:
     """The stage's `check` hook: a reward model to score with, and room on a local Ray for the roles and engines."""
     ppo, reward = pipeline_cfg.stages.ppo, pipeline_cfg.stages.reward
@@ -485,8 +459,11 @@ def check(pipeline_cfg) -> None:
         raise ValueError(f"stages.ppo.rollout.num_engines: the roles and {ppo.rollout.num_engines} engines need "
                          f"{ppo.cpus_needed():g} logical CPUs but the local Ray has {have} (ray.num_cpus); use "
                          "fewer engines or ranks, or raise ray.num_cpus")
-    if pipeline_cfg.ray.local_gpus():  # a local Ray with GPUs (a cluster's are counted at the stage's start)
-        shortfall(ppo, pipeline_cfg.ray.local_gpus(), ValueError)
+    gpus = pipeline_cfg.ray.local_gpus()  # a local Ray's (a cluster's are counted at the stage's start)
+    if gpus:
+        shortfall(ppo, gpus, ValueError)
+    elif gpus == 0:
+        on_cpu(ppo, ValueError)
 
 
 def wire(spec, pipeline_cfg, stages: tuple) -> tuple:

@@ -10,7 +10,8 @@ groups, the CPU and GPU counts checked at load and at start, and their tests rea
 
 On GPUs every bundle holds `gpus_per_process` of a GPU: 1 gives each process a GPU of its own; a fraction packs
 several on one (0.25: four processes a GPU, as OpenRLHF's colocate_all; then set rollout.gpu_memory_utilization so
-that the engines leave room for the trainers).
+that the engines leave room for the trainers). An engine of `rollout.tensor_parallel_size` N holds N whole GPUs.
+What a layout cannot place or hold is refused at validation (`fits_layout`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def bundles(cfg, gpu: bool) -> dict[str, list[dict[str, float]]]:
     if cfg.layout == "colocated":  # the policy ranks hold everything
         return {"policy": [{"CPU": cfg.policy.cpus_per_rank, **share}] * cfg.policy.num_ranks}
     out = {name: [{"CPU": role.cpus_per_rank, **share}] * role.num_ranks for name, role in roles(cfg).items()}
-    out["engines"] = [{"CPU": cfg.rollout.cpus_per_engine, **share}] * cfg.rollout.num_engines
+    engine = {"GPU": cfg.gpus_per_process * cfg.rollout.tensor_parallel_size} if gpu else {}
+    out["engines"] = [{"CPU": cfg.rollout.cpus_per_engine, **engine}] * cfg.rollout.num_engines
     return out
 
 
@@ -55,3 +57,48 @@ def shortfall(cfg, gpus: float, error: type[Exception] | None = None) -> None:
                f"gpus_per_process {cfg.gpus_per_process:g}", "use fewer ranks or engines, a fraction "
                "gpus_per_process (several processes a GPU), layout colocated, a larger cluster, or ray.num_gpus: 0 "
                "to run on the CPU", error)
+
+
+def on_cpu(cfg, error: type[Exception] | None = None) -> None:
+    """Refuse what needs GPUs on a cluster without them (`error` as in `shortfall`)."""
+    from pipeline.errors import UserError
+
+    if cfg.rollout.tensor_parallel_size > 1:
+        raise (error or UserError)(f"stages.ppo.rollout.tensor_parallel_size is {cfg.rollout.tensor_parallel_size}, "
+                                   "but the Ray cluster has no GPUs (vLLM's CPU engines here run one process "
+                                   "each); set it to 1, or run on GPUs")
+
+
+def fits_layout(cfg) -> None:
+    """What a layout cannot do, refused at validation with the reason and the fix (docs/architecture.md, docs/rl.md)."""
+    if cfg.layout == "separate" and cfg.rollout.sleep_mode:
+        raise ValueError("rollout.sleep_mode: an engine of its own (layout separate) has no trainer to give its "
+                         "memory to; set stages.ppo.layout: colocated, or remove rollout.sleep_mode")
+    tp = cfg.rollout.tensor_parallel_size
+    if tp > 1 and cfg.gpus_per_process != 1:
+        raise ValueError(f"rollout.tensor_parallel_size {tp}: each of an engine's {tp} shards needs a GPU of its own, "
+                         f"but gpus_per_process is {cfg.gpus_per_process:g}; set gpus_per_process: 1, or "
+                         "rollout.tensor_parallel_size: 1")
+    if cfg.layout == "separate":
+        return
+    fix = "or set stages.ppo.layout: separate"
+    if tp > 1:
+        raise ValueError(f"rollout.tensor_parallel_size {tp}: in layout colocated each rank's engine runs in the "
+                         f"rank's process on the rank's one GPU; set rollout.tensor_parallel_size: 1, {fix}")
+    if cfg.rollout.async_:
+        raise ValueError("rollout.async: in layout colocated a rank's engine and trainer share one process and take "
+                         f"turns, so generation cannot overlap training; set rollout.async: false, {fix}")
+    if cfg.environment:
+        raise ValueError("environment: an environment runs your code beside the engine, and one that holds the "
+                         "interpreter is ended by killing the engine's process, which in layout colocated is a "
+                         f"policy rank (its training state with it); {fix}")
+    n = cfg.policy.num_ranks
+    given = [("rollout.num_engines", cfg.rollout.num_engines)] if "num_engines" in cfg.rollout.model_fields_set else []
+    used = [("critic", cfg.critic)] * (cfg.algorithm == "ppo") + [("reference", cfg.reference)] \
+        + [("reward", cfg.reward)] * bool(cfg.rewards.model_weight) \
+        + ([("distill.role", cfg.distill.role)] if cfg.distill else [])
+    given += [(f"{name}.num_ranks", role.num_ranks) for name, role in used if "num_ranks" in role.model_fields_set]
+    for key, value in given:
+        if value != n:
+            raise ValueError(f"{key}: {value}, but in layout colocated every role and one engine sit in each of the "
+                             f"policy's {n} ranks; remove {key} (or set it to {n}), {fix}")

@@ -87,10 +87,12 @@ def _check_cluster(cfg: PPOConfig, gpu: bool) -> None:
     their shares of the cluster's GPUs: a placement group Ray can never fill would wait for the start-up's timeout)."""
     import ray
 
-    from stages.ppo.placement import shortfall
+    from stages.ppo.placement import on_cpu, shortfall
 
     if gpu:
         shortfall(cfg, ray.cluster_resources().get("GPU", 0))
+    else:
+        on_cpu(cfg)
     have = ray.cluster_resources().get("CPU", 0)
     if cfg.cpus_needed() > have:
         raise UserError(f"stages.ppo.rollout.num_engines: the roles and {cfg.rollout.num_engines} engines need "
@@ -227,6 +229,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
                       gpu_memory_utilization=memory_share(cfg.rollout, cfg.layout, gpu),
                       num_cpus=cfg.rollout.cpus_per_engine,
                       max_num_batched_tokens=batched_tokens(cfg.rollout, longest, gpu),
+                      tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                       storage=ctx.storage, env=allowance_env())  # the python tool's run_python
     try:
         roles = [("policy", cfg.policy, "causal", sft, True)]
