@@ -155,7 +155,7 @@ def engine_greedy(model_dirs: list[Path], prompt_ids: list[list[int]], max_new_t
 
 def check(pipeline_cfg) -> None:
     """On a local Ray with GPUs, one per worker (a cluster's are counted when the stage starts)."""
-    train_check("sft", pipeline_cfg)
+    train_check("sft", pipeline_cfg, from_sft=False)
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:

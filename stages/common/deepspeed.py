@@ -166,12 +166,12 @@ def needs_sft(name: str, pipeline_cfg: Any) -> None:
         raise ValueError(f"stages.{name}.init_from is sft but stages.sft is null; set stages.{name}.init_from: base")
 
 
-def train_check(name: str, pipeline_cfg: Any) -> None:
-    """A Train stage's `check` hook: `init_from: sft` with an sft stage (reward, dpo), and on a local Ray with GPUs
-    one for each worker (`devices.check_local_workers`)."""
+def train_check(name: str, pipeline_cfg: Any, from_sft: bool = True) -> None:
+    """A Train stage's `check` hook: with `from_sft` (reward, dpo), `init_from: sft` needs an sft stage; on a local
+    Ray with GPUs, one for each worker (`devices.check_local_workers`)."""
     from stages.common.devices import check_local_workers
 
-    if name != "sft":
+    if from_sft:
         needs_sft(name, pipeline_cfg)
     check_local_workers(pipeline_cfg, name)
 
