@@ -311,7 +311,9 @@ def test_the_engines_token_budget_reaches_vllm_and_a_cpu_budget_below_a_prompt_i
     from stages.ppo.roles import batched_tokens
 
     assert "max_num_batched_tokens" not in llm_kwargs("m", EngineSpec(max_model_len=64), 0)  # vLLM's default
-    assert llm_kwargs("m", EngineSpec(max_model_len=64, max_num_batched_tokens=512), 0)["max_num_batched_tokens"] == 512
+    kwargs = llm_kwargs("m", EngineSpec(max_model_len=64, max_num_batched_tokens=512), 0)
+    assert kwargs["max_num_batched_tokens"] == 512 and kwargs["max_num_seqs"] == 256  # vLLM: budget >= max_num_seqs
+    assert llm_kwargs("m", EngineSpec(max_model_len=64, max_num_batched_tokens=64), 0)["max_num_seqs"] == 64
     assert batched_tokens(_ppo().rollout, 100, gpu=False) is None
     short = _ppo(rollout={"max_num_batched_tokens": 64}).rollout
     assert batched_tokens(short, 100, gpu=True) == 64  # chunked prefill on GPUs splits a longer prompt

@@ -168,32 +168,66 @@ def test_chunks_together_are_the_merged_weights_with_a_tied_weight_once(lora_kin
     assert len(one) == 1 and list(one[0]) == list(whole)
 
 
-def test_under_zero3_each_chunk_is_gathered_alone_and_consumed_while_gathered(monkeypatch):
-    """A recording stand-in for DeepSpeed's GatheredParameters: every parameter is gathered exactly once, a
-    gather holds at most the budget plus one piece, and the chunk is handed over while its gather is open
-    (after it closes, ZeRO-3 would have released the tensors)."""
+class _OwnAndChildren(torch.nn.Module):
+    """An attention with a weight of its own beside its projections' (as GPT-OSS's `sinks`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(4))
+        self.q_proj, self.k_proj = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.attn = _OwnAndChildren()
+        self.register_buffer("scale", torch.ones(4))
+
+
+@pytest.mark.parametrize("kind", ["lora", "own_and_children"])
+@pytest.mark.parametrize("budget", [1, 40_000])
+def test_under_zero3_each_chunk_is_gathered_alone_and_whole_while_handed_over(monkeypatch, kind, budget):
+    """A stand-in for DeepSpeed's GatheredParameters that partitions as ZeRO-3 does (a parameter is empty until
+    gathered, and empty again after): every chunk is handed over whole while its gather is open, every parameter
+    is gathered exactly once, and a gather holds less than the budget plus one piece."""
     import deepspeed
 
-    model = _trained(_tiny("causal"), "causal")
-    calls, open_ = [], []
+    torch.manual_seed(0)
+    model = _trained(_tiny("causal"), "causal") if kind == "lora" else _Net()
+    expected = {k: v.clone() for k, v in distinct(lora.merged_state_dict(model)).items()}
+    params = {id(p): p for p in model.parameters()}
+    full = {i: p.data for i, p in params.items()}
+    sizes = {i: p.numel() * p.element_size() for i, p in params.items()}
+    largest = max(weight_chunks.piece_bytes(m) for _, m in lora.pieces(model))
+    calls = []
 
     @contextlib.contextmanager
-    def gathered(params, modifier_rank=None, enabled=True):
+    def gathered(group, modifier_rank=None, enabled=True):
         assert enabled and modifier_rank is None
-        calls.append([id(p) for p in params])
-        open_.append(True)
+        calls.append([id(p) for p in group])
+        for p in group:
+            p.data = full[id(p)]
         try:
             yield
         finally:
-            open_.pop()
+            for p in group:
+                p.data = torch.empty(0)
 
     monkeypatch.setattr(deepspeed.zero, "GatheredParameters", gathered)
-    sizes = {id(p): p.numel() * p.element_size() for p in model.parameters()}
-    largest = max(weight_chunks.piece_bytes(m) for _, m in lora.pieces(model))
-    budget = 40_000
-    for chunk in weight_chunks.weight_chunks(model, zero3=True, budget=budget):
-        assert open_ == [True] and chunk  # handed over inside its gather
-    assert len(calls) > 3  # the model did not go in one gather
+    for p in params.values():
+        p.ds_numel, p.data = p.numel(), torch.empty(0)  # the full size ZeRO-3 records, and this rank's partition
+    joined = {}
+    try:
+        for chunk in weight_chunks.weight_chunks(model, zero3=True, budget=budget):
+            joined.update({k: v.clone() for k, v in chunk.items()})  # as the engine loads it: while gathered
+    finally:
+        for i, p in params.items():
+            p.data = full[i]
+            del p.ds_numel
+    assert list(joined) == list(expected)
+    assert all(torch.equal(joined[k], expected[k]) for k in expected)  # whole, not released partitions
+    assert len(calls) > 2 if budget == 1 or kind == "lora" else len(calls) == 1  # in chunks, unless it all fits one
     flat = [i for call in calls for i in call]
     assert sorted(flat) == sorted(sizes)  # each parameter once (the tied embedding too), none left out
     assert all(sum(sizes[i] for i in call) < budget + largest for call in calls)
@@ -222,3 +256,12 @@ def test_an_engine_loads_chunks_in_one_layerwise_reload():
     assert engine.llm.calls == [("begin_weight_sync", ()), ("load_weight_chunk", (1,)), ("load_weight_chunk", (2,)),
                                 ("finish_weight_sync", ()), ("reset_prefix_cache", ())]
     assert engine.version == 2
+    engine.llm.calls.clear()
+
+    def failing():
+        yield {"a": 1}
+        raise RuntimeError("a rank died mid-sync")
+
+    with pytest.raises(RuntimeError, match="mid-sync"):
+        engine.load_weights(failing(), version=3)
+    assert engine.llm.calls[-1] == ("finish_weight_sync", ()) and engine.version == 2  # reload closed, not tagged

@@ -8,10 +8,9 @@ from here; it lives in `stages/common` so that editing PPO does not change SFT's
     ray.get(pool.engines[0].generate.remote(prompt_ids, sampling))  # any rank can call any engine
 
 Why these choices (docs/architecture.md, facts 4 and 8):
-- Each engine runs `LLM(..., distributed_executor_backend="uni")` with
-  `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the model lives inside the actor process and weights
-  handed to it never cross another process boundary (through the multiprocess executor, tensors
-  in a dict arrive as lists).
+- Each engine runs `LLM(..., distributed_executor_backend="uni")` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+  so the model lives inside the actor process and weights handed to it cross no other process boundary
+  (an engine of `tensor_parallel_size` N > 1 runs "mp": each sync is pickled to its N shard processes).
 - Weights travel as a dict of numpy arrays put into the Ray object store once
   (`weights_to_numpy` + `ray.put`). Each engine receives the ref as a task argument: Ray maps the
   arrays read-only from shared memory on the same node, and `torch.from_numpy` wraps them without
@@ -21,10 +20,9 @@ Why these choices (docs/architecture.md, facts 4 and 8):
   `load_weights` fails on the CPU worker (`Parameter has no attribute weight_loader`). It is not
   named `update_weights`, which the CPU worker already has. The prefix cache is then cleared, so
   no KV block computed with old weights is reused.
-- bf16 has no numpy dtype: such tensors travel as their int16 bit pattern and are viewed back
-  as bf16 on arrival (still zero-copy).
+- bf16 has no numpy dtype: such tensors travel as their int16 bit pattern, viewed back as bf16 (zero-copy).
 
-The same code runs on a GPU (vLLM CUDA build, `num_gpus=1` per engine): only `EngineSpec` changes.
+The same code runs on a GPU (vLLM CUDA build, `EngineSpec.gpus()` per engine): only `EngineSpec` changes.
 
 Calls that run the user's code on an engine (multi-turn episodes: stages/ppo/episodes.py) are
 *followed* (`follow`): the engine streams heartbeats, each promising when the next comes, and a call
@@ -225,8 +223,9 @@ def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
                   enable_chunked_prefill=spec.gpu)
     if spec.tensor_parallel_size > 1 and spec.backend == "uni":  # its shards as processes of the actor, on the GPUs Ray gave the actor
         kwargs.update(tensor_parallel_size=spec.tensor_parallel_size, distributed_executor_backend="mp")
-    if spec.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = spec.max_num_batched_tokens
+    if spec.max_num_batched_tokens is not None:  # vLLM wants it >= max_num_seqs (its default 256, 1024 on H100s)
+        kwargs.update(max_num_batched_tokens=spec.max_num_batched_tokens,
+                      max_num_seqs=min(spec.max_num_batched_tokens, 256))
     if spec.backend == "external_launcher":
         if spec.gpu:
             kwargs["enable_sleep_mode"] = spec.sleep_mode
@@ -294,9 +293,11 @@ class RolloutEngine:
             self.llm.collective_rpc("load_synced_weights", args=(weights,))
         else:
             self.llm.collective_rpc("begin_weight_sync")
-            for chunk in weights:
-                self.llm.collective_rpc("load_weight_chunk", args=(chunk,))
-            self.llm.collective_rpc("finish_weight_sync")
+            try:
+                for chunk in weights:
+                    self.llm.collective_rpc("load_weight_chunk", args=(chunk,))
+            finally:  # also after a failed chunk: no layer is left on vLLM's meta device for the next sync
+                self.llm.collective_rpc("finish_weight_sync")
         self.llm.reset_prefix_cache()
         self.version = self.version + 1 if version is None else version
         return time.time() - t0

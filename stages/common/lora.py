@@ -103,6 +103,12 @@ def pieces(model) -> list[tuple[str, object]]:
     return out
 
 
+def piece_params(module) -> list:
+    """The parameters one of `pieces` gives: an adapted layer's all (base and adapter), else the module's own
+    (its children with weights are pieces of their own)."""
+    return list(module.parameters(recurse=isinstance(module, _lora_layer())))
+
+
 def piece_weights(name: str, module, seen: set[int] | None = None):
     """(HF name, tensor) for one of `pieces`: an adapted layer's weight as base + delta (a new tensor, this
     layer's only). With `seen`, a parameter already given (a tied head) is given once."""

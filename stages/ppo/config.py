@@ -105,7 +105,8 @@ class RolloutConfig(Section):
     sleep_level: Literal[1, 2] = Field(2, description="With sleep_mode: 2 discards the weights asleep, the sync loads "
                                        "them (TRL's order); 1 copies them to CPU memory and back (stages/ppo/sleep.py).")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens each engine schedules per step (vLLM's "
-        "key; empty: its default). On CPU (no chunked prefill) at least the longest prompt plus max_new_tokens.")
+        "key; empty: its default; set, at most min(it, 256) sequences run at once, as vLLM requires). On CPU (no "
+        "chunked prefill) at least the longest prompt plus max_new_tokens.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each engine shards its model over (vLLM's key, its "
         "multiprocessing executor inside the engine's actor). Layout separate on GPUs, with gpus_per_process 1.")
 

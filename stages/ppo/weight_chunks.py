@@ -39,7 +39,9 @@ def groups(sizes: list[int], budget: int) -> list[list[int]]:
 
 def piece_bytes(module) -> int:
     """A piece's full size in bytes, also while ZeRO-3 holds only this rank's partition (`ds_numel`)."""
-    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in module.parameters())
+    from stages.common.lora import piece_params
+
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in piece_params(module))
 
 
 def weight_chunks(model, zero3: bool, budget: int = CHUNK_BYTES) -> Iterator[dict]:
@@ -49,13 +51,13 @@ def weight_chunks(model, zero3: bool, budget: int = CHUNK_BYTES) -> Iterator[dic
     (the caller loads or copies it first, as `ColocatedRank.sync_engine` and `PPOWorker.export_weights` do)."""
     import deepspeed
 
-    from stages.common.lora import piece_weights, pieces
+    from stages.common.lora import piece_params, piece_weights, pieces
 
     parts = pieces(model)
     seen: set[int] = set()  # parameters already given: a tied head is sent once
     gathered: set[int] = set()  # ... and gathered once
     for group in groups([piece_bytes(m) for _, m in parts], budget):
-        params = [p for i in group for p in parts[i][1].parameters() if id(p) not in gathered]
+        params = [p for i in group for p in piece_params(parts[i][1]) if id(p) not in gathered]
         params = list({id(p): p for p in params}.values())
         gathered.update(id(p) for p in params)
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=zero3):

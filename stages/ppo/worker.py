@@ -273,8 +273,11 @@ class PPOWorker(Workhorse):
         from stages.common.engines import nbytes, weights_to_numpy
         from stages.ppo.weight_chunks import weight_chunks
 
+        zero3 = self.engine.zero_optimization_stage() == 3
+        if self.rank != 0 and not zero3:  # nothing to gather with: rank 0 has all of it
+            return None
         weights: dict = {}
-        for chunk in weight_chunks(self.engine.module, self.engine.zero_optimization_stage() == 3):
+        for chunk in weight_chunks(self.engine.module, zero3):
             if self.rank == 0:  # a LoRA policy's chunks come merged, base untouched
                 weights.update(weights_to_numpy(chunk))
         return [ray.put(weights), nbytes(weights)] if self.rank == 0 else None
