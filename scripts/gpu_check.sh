@@ -16,8 +16,11 @@
 #               when the originals are (the load path every sync uses)
 #   separate    ppo in layout separate: roles and engines as their own Ray actors sharing the GPU in fractions
 #               (gpus_per_process 0.2), the weights synced through the object store; its gap and sync time
+#   nccl        with 2 GPUs or more: ppo in layout separate with rollout.sync_transport nccl (the policy rank and
+#               the engine on a GPU each, the weights broadcast over vLLM's NCCL transfer); its gap and sync
+#               time. On one GPU it says it was skipped and why (NCCL cannot join two processes on one GPU)
 #   serve       the serve stage on the GPU: one OpenAI-compatible request through Ray Serve, its latency
-# What it cannot tell: speed against a peer, multi-GPU NCCL between machines (scripts/gpu_parts.py runs a
+# What it cannot tell: speed against a peer, NCCL between machines (scripts/gpu_parts.py runs a
 # single-rank NCCL group), or tensor parallelism.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +117,21 @@ run separate --only ppo --force ppo stages.ppo.layout=separate stages.ppo.gpus_p
 gap=$(figure separate ppo 'round(h("logprob_mismatch_mean")[-1], 5)') || fail separate "no logprob_mismatch_mean logged"
 "$PY" -c "import sys; sys.exit(not float('$gap') <= $MAX_GAP)" || fail separate "sampler-trainer gap $gap > $MAX_GAP"
 line separate "sampler-trainer gap $gap, sync $(figure separate ppo 'round(m.get("sync_s", float("nan")), 3)') s through the object store"
+
+# ------------------------------------------------------------------ ppo separate, the sync over NCCL (2 GPUs)
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+  "$PY" -m pipeline run configs/smoke.yaml --json --only ppo --force ppo run_dir="$RUN_DIR" ray.num_gpus=2 \
+    stages.ppo.layout=separate stages.ppo.gpus_per_process=1 stages.ppo.rollout.sync_transport=nccl \
+    stages.ppo.algorithm=grpo stages.ppo.reference.colocate=true stages.ppo.rewards.model_weight=0 \
+    stages.ppo.policy.num_ranks=1 stages.ppo.rollout.num_engines=1 >"$DIR/nccl.json" 2>"$DIR/nccl.err" \
+    || fail nccl "exit $? ($(tail -n 3 "$DIR/nccl.err" | tr '\n' ' ' | cut -c1-300))"
+  gap=$(figure nccl ppo 'round(h("logprob_mismatch_mean")[-1], 5)') || fail nccl "no logprob_mismatch_mean logged"
+  "$PY" -c "import sys; sys.exit(not float('$gap') <= $MAX_GAP)" || fail nccl "sampler-trainer gap $gap > $MAX_GAP"
+  line nccl "sampler-trainer gap $gap, sync $(figure nccl ppo 'round(m.get("sync_s", float("nan")), 3)') s over NCCL"
+else
+  echo "gpu_check: skip nccl       needs 2 GPUs (the policy rank and the engine on a GPU each); this machine has $GPUS"
+fi
 
 # ------------------------------------------------------------------ serve: one OpenAI request
 run serve --only serve --force serve

@@ -21,8 +21,8 @@ Why these choices (docs/architecture.md, facts 4 and 8):
   named `update_weights`, which the CPU worker already has. The prefix cache is then cleared, so
   no KV block computed with old weights is reused.
 - bf16 has no numpy dtype: such tensors travel as their int16 bit pattern, viewed back as bf16 (zero-copy).
-
-The same code runs on a GPU (vLLM CUDA build, `EngineSpec.gpus()` per engine): only `EngineSpec` changes.
+- The same code runs on a GPU (vLLM CUDA build, `EngineSpec.gpus()` per engine): only `EngineSpec` changes;
+  `rollout.sync_transport: nccl` sends the weights over vLLM's own weight transfer instead (stages/ppo/nccl_sync.py).
 
 Calls that run the user's code on an engine (multi-turn episodes: stages/ppo/episodes.py) are
 *followed* (`follow`): the engine streams heartbeats, each promising when the next comes, and a call
@@ -48,14 +48,11 @@ BF16_TAG = "__bf16__"
 
 def distinct(state_dict: dict) -> dict[str, Any]:
     """A state dict's tensors, detached, each storage once (tied weights, lm_head = embed_tokens: sent once)."""
-    out: dict[str, Any] = {}
-    seen: set[int] = set()
+    out, seen = {}, set()
     for name, t in state_dict.items():
-        t = t.detach()
-        if t.data_ptr() in seen and t.numel():
-            continue
-        seen.add(t.data_ptr())
-        out[name] = t
+        if not (t.numel() and t.data_ptr() in seen):
+            seen.add(t.data_ptr())
+            out[name] = t.detach()
     return out
 
 
@@ -66,10 +63,8 @@ def weights_to_numpy(state_dict: dict) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, t in distinct(state_dict).items():
         t = t.cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            out[name + BF16_TAG] = t.view(torch.int16).numpy()
-        else:
-            out[name] = t.numpy()
+        bf16 = t.dtype == torch.bfloat16
+        out[name + BF16_TAG if bf16 else name] = (t.view(torch.int16) if bf16 else t).numpy()
     return out
 
 
@@ -132,16 +127,15 @@ class WeightSyncExtension:
 
 
 def _refresh_tied_head(model) -> None:
-    import torch
-
     """Re-pack a tied LM head from the freshly loaded embedding.
 
-    With tied embeddings the checkpoint has no `lm_head.weight`, so the layerwise reload never
-    reprocesses the head ("ParallelLMHead: Failed to load weights" in vLLM's log). Its storage is
-    the embedding's and so already holds the new values, but on CPU the head multiplies through
-    a oneDNN handle packed from the *old* weights at start-up: without this, logits come from
-    the old policy. Re-running its `process_weights_after_loading` re-packs it (a no-op on GPU).
-    """
+    With tied embeddings the checkpoint has no `lm_head.weight`, so the layerwise reload never reprocesses the
+    head ("ParallelLMHead: Failed to load weights" in vLLM's log). Its storage is the embedding's and so already
+    holds the new values, but on CPU the head multiplies through a oneDNN handle packed from the *old* weights at
+    start-up: without this, logits come from the old policy. Re-running its `process_weights_after_loading`
+    re-packs it (a no-op on GPU)."""
+    import torch
+
     by_storage: dict[int, list] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
@@ -180,6 +174,7 @@ class EngineSpec:
     sleep_level: int = 2  # with sleep_mode: 2 discards the weights asleep, 1 keeps them in CPU memory (ppo/sleep.py)
     max_num_batched_tokens: int | None = None  # vLLM's scheduler budget per step (None: vLLM's default)
     tensor_parallel_size: int = 1  # GPUs an engine of its own shards over (gpu_share of each; vLLM's "mp" executor)
+    weight_transfer: str | None = None  # vLLM's weight-transfer backend ("nccl": stages/ppo/nccl_sync.py), or none
 
     def gpus(self) -> float:
         """What the engine asks Ray for: its share of a GPU per shard (none on the CPU)."""
@@ -226,6 +221,8 @@ def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
     if spec.max_num_batched_tokens is not None:  # vLLM wants it >= max_num_seqs (its default 256, 1024 on H100s)
         kwargs.update(max_num_batched_tokens=spec.max_num_batched_tokens,
                       max_num_seqs=min(spec.max_num_batched_tokens, 256))
+    if spec.weight_transfer:  # the engine's workers then take weights over vLLM's own transfer engine
+        kwargs["weight_transfer_config"] = {"backend": spec.weight_transfer}
     if spec.backend == "external_launcher":
         if spec.gpu:
             kwargs["enable_sleep_mode"] = spec.sleep_mode
@@ -403,6 +400,7 @@ class EnginePool:
         self.pg = placement_group([bundle] * num_engines, strategy=strategy)
         self.engines = [self._start(i) for i in range(num_engines)]  # they wait for the placement group
         self.weights_ref, self.version = None, None  # the last synced weights, to bring a restarted engine up to date
+        self.resync = None  # or what brings restarted engines (their indices) up to date (stages/ppo/nccl_sync.py)
         if wait:
             self.ready()
 
@@ -463,7 +461,9 @@ class EnginePool:
             self.restarts += 1
         if dead:
             ray.get([self.engines[i].ping.remote() for i in dead])
-            if self.weights_ref is not None:
+            if self.resync is not None:
+                self.resync(dead)
+            elif self.weights_ref is not None:
                 ray.get([self.engines[i].load_weights.remote(self.weights_ref, self.version) for i in dead])
         return dead
 

@@ -93,7 +93,7 @@ def pieces(model) -> list[tuple[str, object]]:
         if inside is not None and name.startswith(inside):
             continue
         inside = None
-        if ".original_module" in f".{name}" or name.startswith("original_module"):
+        if ".original_module" in f".{name}":
             continue
         if isinstance(module, layer_type):
             out.append((name, module))
@@ -117,11 +117,12 @@ def piece_weights(name: str, module, seen: set[int] | None = None):
     if isinstance(module, layer_type):
         active = not module.disable_adapters and module.active_adapters
         delta = sum(module.get_delta_weight(a) for a in module.active_adapters) if active else None
+        weight = _hf_name(f"{prefix}weight")
         for key, value in module.state_dict(prefix=prefix).items():
             if ".lora_" in key:
                 continue
             hf = _hf_name(key)
-            yield hf, value + delta.to(value.dtype) if delta is not None and hf == _hf_name(f"{prefix}weight") else value
+            yield hf, value + delta.to(value.dtype) if delta is not None and hf == weight else value
         return
     for key, param in module._parameters.items():
         if param is None or (seen is not None and id(param) in seen):

@@ -109,6 +109,10 @@ class RolloutConfig(Section):
         "chunked prefill) at least the longest prompt plus max_new_tokens.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs each engine shards its model over (vLLM's key, its "
         "multiprocessing executor inside the engine's actor). Layout separate on GPUs, with gpus_per_process 1.")
+    sync_transport: Literal["object_store", "nccl"] = Field("object_store", description="How a weight sync reaches "
+        "engines of their own (layout separate): object_store puts the merged weights into Ray's object store once "
+        "for every engine to load; nccl broadcasts them from policy rank 0's GPU into each engine's GPUs over vLLM's "
+        "own weight transfer (stages/ppo/nccl_sync.py). nccl: GPUs, gpus_per_process 1.")
 
     def max_staleness(self) -> int:
         """Policy updates a rollout may lag the policy that trains on it."""

@@ -67,6 +67,9 @@ def on_cpu(cfg, error: type[Exception] | None = None) -> None:
         raise (error or UserError)(f"stages.ppo.rollout.tensor_parallel_size is {cfg.rollout.tensor_parallel_size}, "
                                    "but the Ray cluster has no GPUs (vLLM's CPU engines here run one process "
                                    "each); set it to 1, or run on GPUs")
+    if cfg.rollout.sync_transport == "nccl":
+        raise (error or UserError)("stages.ppo.rollout.sync_transport is nccl, but the Ray cluster has no GPUs (NCCL "
+                                   "joins GPUs); set it to object_store, or run on GPUs")
 
 
 def fits_layout(cfg) -> None:
@@ -79,9 +82,17 @@ def fits_layout(cfg) -> None:
         raise ValueError(f"rollout.tensor_parallel_size {tp}: each of an engine's {tp} shards needs a GPU of its own, "
                          f"but gpus_per_process is {cfg.gpus_per_process:g}; set gpus_per_process: 1, or "
                          "rollout.tensor_parallel_size: 1")
+    nccl = cfg.rollout.sync_transport == "nccl"
+    if nccl and cfg.gpus_per_process != 1:
+        raise ValueError(f"rollout.sync_transport nccl: NCCL cannot join two processes on one GPU, but "
+                         f"gpus_per_process is {cfg.gpus_per_process:g}; set gpus_per_process: 1, or "
+                         "rollout.sync_transport: object_store")
     if cfg.layout == "separate":
         return
     fix = "or set stages.ppo.layout: separate"
+    if nccl:
+        raise ValueError("rollout.sync_transport nccl: in layout colocated each rank's engine takes its trainer's "
+                         f"tensors in the same process, with no transport; remove rollout.sync_transport, {fix}")
     if tp > 1:
         raise ValueError(f"rollout.tensor_parallel_size {tp}: in layout colocated each rank's engine runs in the "
                          f"rank's process on the rank's one GPU; set rollout.tensor_parallel_size: 1, {fix}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -41,16 +41,20 @@ class Session:
     groups: dict[str, Any] = field(default_factory=dict)  # role -> ModelGroup
     trained: dict[str, Any] = field(default_factory=dict)  # the trainable roles among them
     pool: Any = None  # the EnginePool
+    transport: Any = None  # rollout.sync_transport nccl: stages.ppo.nccl_sync.NcclSync
 
     def role(self, name: str):
         return self.groups.get(name)
 
     def sync_weights(self, version: int) -> tuple[float, int]:
         """The policy's current weights into every engine, tagged `version`: (the slowest load's seconds, bytes).
-        Separate layout: one put into the object store that every engine loads; colocated: each rank's engine
-        loads its trainer's tensors in place (stages/ppo/colocated.py)."""
+        Separate layout: one put into the object store that every engine loads (or NCCL broadcasts,
+        stages/ppo/nccl_sync.py); colocated: each rank's engine loads its trainer's tensors in place
+        (stages/ppo/colocated.py)."""
         if hasattr(self.pool, "sync_in_place"):
             return self.pool.sync_in_place(version)
+        if self.transport is not None:  # over NCCL from policy rank 0 into each engine
+            return self.transport.sync(version)
         weights_ref, nbytes = self.role("policy").get("export_weights")[0]
         return self.pool.sync(weights_ref, version=version), nbytes
 
@@ -240,6 +244,7 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         # Everything starts at once (roles and engines load their models concurrently): nothing blocks
         # until every placement group is requested and every actor created.
         requested = time.time()
+        nccl = cfg.rollout.sync_transport == "nccl"  # engines of their own take the weights over vLLM's NCCL transfer
         if colocated:  # one actor per policy rank holds every role and an engine (stages/ppo/colocated.py)
             from stages.ppo.colocated import start_ranks
 
@@ -249,8 +254,10 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
                      for name, role, kind, path, trainable in roles}
             pending = {"ranks": start_ranks(s, cfg, specs, sft, spec, gpu)}
         else:
-            s.pool = EnginePool(str(sft), spec, cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
-                                **({"engine_cls": _agent_engine()} if s.episode else {}))
+            engine_cls = _engine_class(s.episode is not None, nccl)
+            s.pool = EnginePool(str(sft), replace(spec, weight_transfer="nccl") if nccl else spec,
+                                cfg.rollout.num_engines, cfg.rollout.placement_strategy, wait=False,
+                                **({"engine_cls": engine_cls} if engine_cls else {}))
             pending = {}
             for name, role, kind, model_dir, trainable in roles:
                 s.groups[name], pending[name] = start_role(name, role, kind, model_dir, cfg, trainable, gpu,
@@ -262,6 +269,10 @@ def start(cfg: PPOConfig, ctx: StageContext, clock) -> Session:
         params = params.pop("ranks", params)  # the colocated ranks report every role's
         clock.mark("roles")  # with the colocated layout, the engines too (they are built in the ranks)
         s.pool.ready()
+        if nccl:
+            from stages.ppo.nccl_sync import NcclSync
+
+            s.transport = NcclSync(s.role("policy"), s.pool, 1 + cfg.rollout.tensor_parallel_size)
         clock.mark("engines")  # what the engines took beyond the roles (they started together)
         _startup_details(s, clock, requested)
     except BaseException:
@@ -328,7 +339,18 @@ def _episode_spec(cfg: PPOConfig):
                        import_root(env.name) if ":" in env.name else None)
 
 
-def _agent_engine():
-    from stages.ppo.episodes import AgentEngine
+def _engine_class(agent: bool, nccl: bool) -> type | None:
+    """The rollout engine's class when it is not `RolloutEngine` (None): one running episodes (an environment),
+    one taking weights over NCCL, or both."""
+    from stages.common.engines import RolloutEngine
 
-    return AgentEngine
+    base = RolloutEngine
+    if agent:
+        from stages.ppo.episodes import AgentEngine
+
+        base = AgentEngine
+    if nccl:
+        from stages.ppo.nccl_sync import engine_class
+
+        base = engine_class(base)
+    return None if base is RolloutEngine else base

@@ -13,6 +13,7 @@ wrapped without one, so ZeRO-3 still shards them), and answers:
     scores(pairs)            reward model: a score per head for each (prompt, response)
     train_policy / train_critic   PPO epochs over this rank's share of the rollouts
     export_weights()         full weights into the object store once (rank 0 returns the ref)
+    connect_engines(), send_weights()   or over NCCL into each engine (rollout.sync_transport: nccl)
     save / load              DeepSpeed checkpoints (optimizer included) for resuming
     save_hf(dir)             the trained policy as an HF directory (a LoRA policy merged)
     save_adapter(dir)        a LoRA policy's adapter alone
@@ -281,6 +282,18 @@ class PPOWorker(Workhorse):
             if self.rank == 0:  # a LoRA policy's chunks come merged, base untouched
                 weights.update(weights_to_numpy(chunk))
         return [ray.put(weights), nbytes(weights)] if self.rank == 0 else None
+
+    def connect_engines(self, handles: dict, world_size: int) -> None:
+        """`rollout.sync_transport: nccl`: join each engine's NCCL group (stages/ppo/nccl_sync.py)."""
+        from stages.ppo.nccl_sync import Senders
+
+        if getattr(self, "senders", None) is None:
+            self.senders = Senders(self.engine.module, self.engine.zero_optimization_stage() == 3, self.rank)
+        self.senders.connect(handles, world_size)
+
+    def send_weights(self, indices: list[int]) -> list | None:
+        """The weights over NCCL into the engines at `indices` (rank 0 returns [seconds, bytes])."""
+        return self.senders.send(indices)
 
     def save(self, directory: str) -> None:
         import deepspeed.comm as dist
