@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import artifacts, events, outcomes, storage
+from pipeline import artifacts, events, faults, outcomes, storage
 from pipeline.run_storage import RunStorage
 from pipeline import console as console_mod
 from pipeline.bucket import check as check_bucket
@@ -203,9 +203,9 @@ def _run_stage(store: storage.ArtifactStore, p: PlannedStage, ctx: RunContext) -
     ctx.out_dir = store.begin(name, p.key, fresh=p.reason == FORCED)
     store.record_attempt(name, p.key, p.components)
     start = time.time()
-    if os.environ.get("PIPELINE_FAULT_IN_STAGE") == name:  # fault drills: a stage that crashes
-        raise RuntimeError(f"injected fault in stage '{name}' (PIPELINE_FAULT_IN_STAGE)")
-    if os.environ.get("PIPELINE_FAULT_STRAY_WORKER") == name:  # a Ray worker whose exit never ends
+    if faults.value("IN_STAGE") == name:  # fault drills: a stage that crashes
+        faults.inject("IN_STAGE", f"in stage '{name}'")
+    if faults.value("STRAY_WORKER") == name:  # a Ray worker whose exit never ends
         ctx.ray()
         _stray_worker()
     outputs = load_stage(p.spec.module).run(p.config if p.config is not None else get_path(ctx.pipeline, p.spec.config),

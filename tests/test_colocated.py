@@ -1,4 +1,4 @@
-"""The colocated PPO layout (stages/ppo/colocated.py; issue 60, items 1, 2 and 8): one Ray actor per policy rank
+"""The colocated PPO layout (stages/ppo/layouts/colocated.py; issue 60, items 1, 2 and 8): one Ray actor per policy rank
 holding every role and its own in-process vLLM engine.
 
 Fast: what the layout refuses at validation, the engine arguments the device and layout decide (GPU keys
@@ -97,7 +97,8 @@ def test_an_engine_inside_a_gpu_rank_takes_its_memory_share_and_sleeps_as_config
 def test_a_rank_on_a_gpu_reserves_one_device_its_engine_shares(monkeypatch):
     """The colocated ranks are one ModelGroup: one GPU per rank on a GPU machine, none on CPU; no engine actors."""
     import stages.ppo.groups as groups
-    from stages.ppo import colocated
+    from stages.ppo.layouts import colocated_rank
+    from stages.ppo.layouts.colocated import Colocated
 
     made = {}
 
@@ -117,15 +118,12 @@ def test_a_rank_on_a_gpu_reserves_one_device_its_engine_shares(monkeypatch):
     cfg = _ppo(layout="colocated", policy={"num_ranks": 2, "cpus_per_rank": 2}, rollout={"sleep_mode": True})
 
     class S:
-        groups, pool = {}, None
-
-    from stages.ppo.roles import role_spec
+        groups, tok = {}, type("Tok", (), {"pad_token_id": 0})
 
     roles = [("policy", cfg.policy, "causal", "sft", True), ("critic", cfg.critic, "value", "rm", True)]
-    specs = {name: role_spec(name, role.model_copy(update={"num_ranks": 2}), kind, path, cfg, trainable, True, 0, 0,
-                             None) for name, role, kind, path, trainable in roles}
-    colocated.start_ranks(S, cfg, specs, "sft", _spec(gpu=True), True)
-    assert made["cls"] is colocated.ColocatedRank and made["gpu"] and (made["n"], made["cpus"]) == (2, 2)
+    layout = Colocated(cfg)
+    layout.start(S, roles, _spec(gpu=True), True, 0, None)
+    assert made["cls"] is colocated_rank.ColocatedRank and made["gpu"] and (made["n"], made["cpus"]) == (2, 2)
     assert made["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     method, (specs, model, engine) = made["setup"]
     assert engine.backend == "external_launcher" and engine.sleep_mode and engine.gpu
@@ -135,7 +133,7 @@ def test_a_rank_on_a_gpu_reserves_one_device_its_engine_shares(monkeypatch):
 
 
 def test_a_role_of_the_ranks_is_called_on_each_rank_with_its_share():
-    from stages.ppo.colocated import RoleView
+    from stages.ppo.layouts.colocated_rank import RoleView
 
     class Method:
         def __init__(self, rank):
@@ -149,7 +147,7 @@ def test_a_role_of_the_ranks_is_called_on_each_rank_with_its_share():
             self.call = Method(rank)
 
     class Ranks:
-        actors, pg = [Actor(0), Actor(1)], None
+        actors = [Actor(0), Actor(1)]
 
         def __len__(self):
             return 2

@@ -151,11 +151,13 @@ def test_the_optimizer_needs_no_compiler_on_a_gpu_and_is_unchanged_on_a_cpu(monk
 def test_an_engines_memory_share_follows_where_it_runs():
     """Issue 68: 0.3 of a GPU an engine has to itself wasted most of it. Configured: as configured."""
     from stages.ppo.config import PPOConfig
+    from stages.ppo.layouts.colocated import Colocated
+    from stages.ppo.layouts.separate import Separate
     from stages.ppo.roles import memory_share
 
     rollout = PPOConfig().rollout
-    assert memory_share(rollout, "separate", gpu=True) == 0.9  # its own GPU
-    assert memory_share(rollout, "colocated", gpu=True) == 0.3  # beside the rank's training, as TRL's colocate mode
-    assert memory_share(rollout, "separate", gpu=False) == memory_share(rollout, "colocated", gpu=False) == 0.3  # RAM
+    assert memory_share(rollout, Separate, gpu=True) == 0.9  # its own GPU
+    assert memory_share(rollout, Colocated, gpu=True) == 0.3  # beside the rank's training, as TRL's colocate mode
+    assert memory_share(rollout, Separate, gpu=False) == memory_share(rollout, Colocated, gpu=False) == 0.3  # RAM
     assert memory_share(PPOConfig.model_validate({"rollout": {"gpu_memory_utilization": 0.5}}).rollout,
-                        "separate", gpu=True) == 0.5
+                        Separate, gpu=True) == 0.5

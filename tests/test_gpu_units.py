@@ -242,7 +242,7 @@ def test_each_role_and_engine_asks_ray_for_its_bundle(monkeypatch):
     import stages.ppo.groups as groups
     from stages.common.engines import EngineSpec
     from stages.ppo.placement import bundles
-    from stages.ppo.roles import start_role
+    from stages.ppo.layouts.separate import start_role
 
     asked = {}
 

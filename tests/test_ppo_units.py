@@ -55,7 +55,7 @@ def test_engines_are_not_checked_against_a_local_count_when_joining_a_cluster(tm
 
 def test_a_role_is_placed_with_its_cpus_per_rank(tmp_path, monkeypatch):
     import stages.ppo.groups as groups
-    from stages.ppo.roles import start_role
+    from stages.ppo.layouts.separate import start_role
 
     placed = {}
 

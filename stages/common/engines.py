@@ -168,7 +168,7 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     storage: Any = None  # the run's pipeline.run_storage.RunStorage, for an engine that pulls its model (None: local)
     # "uni": an engine actor of its own; "external_launcher": an engine inside a training rank (the colocated
-    # layout, stages/ppo/colocated.py), which joins the rank's torch process group as TRL's colocate mode does
+    # layout, stages/ppo/layouts/colocated.py), which joins the rank's torch process group as TRL's colocate mode does
     backend: str = "uni"
     sleep_mode: bool = False  # inside a rank on a GPU: release the engine's memory while the rank trains
     sleep_level: int = 2  # with sleep_mode: 2 discards the weights asleep, 1 keeps them in CPU memory (ppo/sleep.py)
@@ -233,7 +233,7 @@ def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
 
 class RolloutEngine:
     """One vLLM engine: generates token ids, loads synced weights. A Ray actor of its own (`EnginePool`), or an
-    object inside a colocated training rank (stages/ppo/colocated.py)."""
+    object inside a colocated training rank (stages/ppo/layouts/colocated.py)."""
 
     def __init__(self, model_dir: str, spec: EngineSpec, index: int):
         born = time.time()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline import events
+from pipeline import events, faults
 from stages.common import in_process
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def worker(c: dict) -> None:
         log.log(first, 0)
         log.step(0, total, first)
         clock.mark("evaluation", counted=False)
-    fault_at = int(os.environ.get("PIPELINE_FAULT_AFTER_STEP", "0"))  # fault drills and resume tests
+    fault_at = faults.number("AFTER_STEP", 0)  # fault drills and resume tests
     fault_armed = fault_at > state["step"]
     metrics: dict = {}
     for epoch in range(state["epoch"], cfg.epochs):
@@ -206,7 +206,7 @@ def worker(c: dict) -> None:
             if step % cfg.checkpoint_every == 0 or step == total:
                 training.report(engine, state, {"step": step, **metrics, **clock.metrics()}, rank, with_checkpoint=True)
                 if fault_armed and step >= fault_at:
-                    raise RuntimeError(f"injected fault after step {step} (PIPELINE_FAULT_AFTER_STEP)")
+                    faults.inject("AFTER_STEP", f"after step {step}")
             elif "eval_loss" in metrics:  # eval results reach a sweep's scheduler (ASHA) between checkpoints
                 training.report(engine, state, {"step": step, **metrics}, rank, with_checkpoint=False)
         state = {"step": engine.global_steps, "epoch": epoch + 1, "micro_in_epoch": 0, **objective.state()}

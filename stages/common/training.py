@@ -15,12 +15,11 @@ Train merges them into one checkpoint under `storage_path/name`. A rerun with th
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline import events
+from pipeline import events, faults
 from stages.common import in_process
 from stages.common.deepspeed import TrainingConfig, backend
 
@@ -90,8 +89,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
             checkpoint_config=CheckpointConfig(num_to_keep=tcfg.keep_checkpoints),
             failure_config=FailureConfig(max_failures=tcfg.max_failures),
             callbacks=list(callbacks),
-            # PIPELINE_FAULT_* variables reach the workers, for fault drills and resume tests.
-            worker_runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith("PIPELINE_FAULT_")}},
+            # the fault drills (pipeline/faults.py) reach the workers, for resume tests.
+            worker_runtime_env={"env_vars": faults.worker_env()},
         ),
     )
     return fit_and_end_controller(trainer)

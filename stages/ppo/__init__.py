@@ -19,13 +19,14 @@ What the loop stands on is in the package beside it, one concern per module:
 
     __init__.py    this loop and its checkpoints   config.py      the typed config (PPOConfig) and its hooks
     roles.py       set-up: every role and engine starts at once (`start`); `Session.close` ends them
-    colocated.py   `layout: colocated`: one actor per policy rank holds every role and its own engine
+    layouts/       where they run, one protocol (`Layout`): separate.py (a process per rank and engine),
+                   colocated.py (one actor per policy rank holds every role and its own engine)
     rollouts.py    generation requests: `request` launches, `collect` waits (with `rollout.async` the next
                    iteration's request goes out before this one trains, one-step off-policy, and
                    `staleness` is checked and logged); `fill` is dynamic sampling
     evaluation.py  the over-optimisation curve (`curve_point`) and the end (`finish`: export, held-out scores)
     rl.py          the pure RL math (tested)       scoring.py     rewards, held-out evaluation, sign test
-    groups.py      ModelGroup: a model on N actors worker.py      PPOWorker: one rank of a role
+    groups.py      ModelGroup: a model on N actors worker.py      PPOWorker: a rank's model and math
     rewards.py     the rule reward and its workers sandbox/       model code sandboxed; code_tests
     environments.py, episodes.py                   multi-turn rollouts with tools (AgentEngine)
 
@@ -52,21 +53,22 @@ held-out prompts). `bench/rlhf.py` runs that per seed and algorithm.
 
 Run alone: `python -m pipeline run configs/full.yaml --only ppo` (after `sft` and `reward`).
 A rerun after an interruption resumes from the last checkpoint (`checkpoint_every`).
-For fault drills, `PIPELINE_FAULT_KILL_ENGINE_AT=K` kills rollout engine 0 at iteration K (from
-0); the stage restarts it, re-syncs its weights and carries on. `PIPELINE_FAULT_AFTER_ITERATION=N`
-raises once after the checkpoint of iteration N (like PIPELINE_FAULT_AFTER_STEP in training).
+Fault drills (pipeline/faults.py): `PIPELINE_FAULT_KILL_ENGINE_AT=K` kills rollout engine 0 (or a
+colocated rank) at iteration K (from 0); the stage restarts it through the layout, re-syncs its
+weights and carries on. `PIPELINE_FAULT_AFTER_ITERATION=N` raises once after the checkpoint of
+iteration N (like PIPELINE_FAULT_AFTER_STEP in training).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline import faults
 from stages.ppo.config import PPOConfig, check, wire  # noqa: F401  (the stage's config and hooks, for the registry)
 from stages.ppo.evaluation import curve_point, finish
 from stages.ppo.roles import Session, start
@@ -82,9 +84,6 @@ def raw_inputs(pcfg) -> list[Path]:
     if section is None or section.distill is None:
         return []
     return sorted(p for p in section.distill.teacher.rglob("*") if p.is_file())
-
-
-# --------------------------------------------------------------------------- checkpoints
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -135,7 +134,7 @@ def _resume(s: Session, ctx: StageContext, kl_ctl) -> tuple[int, dict]:
     kl_ctl.value = state["kl_coef"]
     if s.moments is not None and state.get("moments"):
         s.moments.count, s.moments.mean, s.moments.m2 = state["moments"]
-    s.sync_weights(state["iteration"] + 1)
+    s.layout.sync_weights(state["iteration"] + 1)
     ctx.progress(f"resumed from the checkpoint of iteration {state['iteration']}")
     return state["iteration"] + 1, {"curve": []} | state.get("trend", {"reward": [], "kl": []})
 
@@ -156,19 +155,19 @@ def configured_code(cfg: PPOConfig) -> list[str]:
 def run(cfg: PPOConfig, ctx: StageContext) -> dict[str, Path]:
     """PPO (or a critic-free estimator) from the SFT policy; returns the trained policy as an HF model.
 
-    In the colocated layout a rank that dies takes its training state with it (`rank_lost`): every rank is
-    started again and the run resumes from the last checkpoint, up to MAX_RANK_RESTARTS times."""
-    from stages.ppo.colocated import MAX_RANK_RESTARTS, rank_lost
+    A process that dies beyond what the layout restarts in place takes training state with it (`layouts.lost`):
+    every process is started again and the run resumes from the last checkpoint, up to MAX_RESTARTS times."""
+    from stages.ppo.layouts import MAX_RESTARTS, lost
 
-    for attempt in range(MAX_RANK_RESTARTS + 1):
+    for attempt in range(MAX_RESTARTS + 1):
         try:
             return _run(cfg, ctx, drills=attempt == 0)  # a fault drill fires once, not again after the restart
         except Exception as exc:
-            if not rank_lost(cfg.layout, exc) or attempt == MAX_RANK_RESTARTS:
+            if not lost(exc) or attempt == MAX_RESTARTS:
                 raise
             ctx.log_metrics({"rank_restarts": attempt + 1})
-            ctx.progress(f"a colocated rank died ({type(exc).__name__}): starting the ranks again and resuming from "
-                         f"the last checkpoint (restart {attempt + 1} of at most {MAX_RANK_RESTARTS})")
+            ctx.progress(f"a process of the stage died ({type(exc).__name__}): starting them again and resuming "
+                         f"from the last checkpoint (restart {attempt + 1} of at most {MAX_RESTARTS})")
     raise AssertionError("unreachable")
 
 
@@ -266,7 +265,7 @@ def _begin(s: Session, cfg: PPOConfig, ctx: StageContext, clock, drills: bool = 
     # A LoRA policy is its own reference (adapter off), a colocated one sits in the policy ranks; otherwise
     # the reference role's ranks.
     ref, ref_call = (policy, "ref_logprobs") if ref is None else (ref, "logprobs")
-    before = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
+    before = evaluate(s.layout, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
                       s.episode, s.env_budget, ctx.progress) if s.eval_rows else None
     clock.mark("evaluation", counted=False)  # held-out work the config asks for, not start-up
     kl_ctl = rl.kl_controller(cfg.kl.controller, cfg.kl.coef, cfg.kl.target, cfg.kl.horizon)
@@ -277,8 +276,7 @@ def _begin(s: Session, cfg: PPOConfig, ctx: StageContext, clock, drills: bool = 
           **cfg.objective()}
     ctx.advance(start, cfg.iterations, "iter")  # the rate and ETA count from here
     return _Loop(ref, ref_call, hp, kl_ctl, start, trend, before, ctx.pipeline.seed,
-                 int(os.environ.get("PIPELINE_FAULT_KILL_ENGINE_AT", "-1")) if drills else -1,
-                 int(os.environ.get("PIPELINE_FAULT_AFTER_ITERATION", "0")), clock)
+                 faults.number("KILL_ENGINE_AT", -1) if drills else -1, faults.number("AFTER_ITERATION", 0), clock)
 
 
 def _score(s: Session, cfg: PPOConfig, loop: _Loop, req: Rollouts, it: int) -> _Scored:
@@ -354,9 +352,9 @@ def _train(s: Session, loop: _Loop, batch: dict) -> dict:
 
 
 def _sync(s: Session, it: int) -> dict:
-    """Step 7.: the new weights into every engine (`Session.sync_weights`); the timings and size."""
+    """Step 7.: the new weights into every engine (the layout's `sync_weights`); the timings and size."""
     t0 = time.time()
-    load_s, sync_bytes = s.sync_weights(it + 1)
+    load_s, sync_bytes = s.layout.sync_weights(it + 1)
     return {"sync_s": time.time() - t0, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20}
 
 
@@ -381,7 +379,7 @@ def _log(s: Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, sc
         **episode_stats(sc.flat),  # with an environment: turns, tool calls, errors and time
         **trained, "generate_s": sc.wait_s, "score_s": sc.score_s, **synced, "staleness": sc.staleness,
         "gen_tokens_per_s": gen_tokens / max(sc.gen_span, 1e-9), "iteration_s": time.time() - t_iter,
-        "engine_restarts": s.pool.restarts, **sc.mismatch, **(loop.clock.metrics() if it == loop.start else {}),
+        "engine_restarts": s.layout.restarts, **sc.mismatch, **(loop.clock.metrics() if it == loop.start else {}),
         **({"rm_score_mean": sum(rm) / len(rm)} if rm else {}),
         **({"rm_spread_mean": sum(spread) / len(spread)} if spread else {}),  # heads' disagreement
         **({"gold_mean": sum(s.gold(r["prompt"], t) for t, r in zip(sc.texts, sc.rows)) / n} if s.gold else {}),
@@ -413,4 +411,4 @@ def _checkpoint(s: Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: 
         _save(ctx.checkpoint_dir, it, s.trained, {"iteration": it, "kl_coef": loop.kl_ctl.value, "trend": loop.trend,
               "moments": s.moments.state() if s.moments is not None else None}, ctx.storage)
         if loop.fault_after and it + 1 >= loop.fault_after > loop.start:
-            raise RuntimeError(f"injected fault after iteration {it + 1} (PIPELINE_FAULT_AFTER_ITERATION)")
+            faults.inject("AFTER_ITERATION", f"after iteration {it + 1}")

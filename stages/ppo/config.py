@@ -432,7 +432,9 @@ class PPOConfig(Section):
 
     def ranks(self, role) -> int:
         """A role's ranks: its own, or the policy's in the colocated layout (every role sits in each policy rank)."""
-        return self.policy.num_ranks if self.layout == "colocated" else role.num_ranks
+        from stages.ppo.layouts import layout_of
+
+        return layout_of(self).ranks(self, role)
 
     def objective(self) -> dict:
         """The policy loss's settings (`losses.policy_loss`'s keywords), defaults resolved."""

@@ -127,8 +127,8 @@ def run_episodes(engines: list, prompt_parts: list, row_parts: list, sampling: d
     return [group for part in follow(calls, f"the environment {spec.name}", log) for group in part]
 
 
-def retrying(pool, call, spec: EpisodeSpec | None, say=print, since: int | None = None):
-    """`pool.retrying(call, say, since=since)`: engines that died or were stalled are restarted and `call` made
+def retrying(layout, call, spec: EpisodeSpec | None, say=print, since: int | None = None):
+    """`layout.retrying(call, say, since=since)`: engines that died or were stalled are restarted and `call` made
     again. When the environment stalled the engine on every attempt, the stage stops (exit 1) saying how to
     fix it."""
     attempts = []
@@ -138,7 +138,7 @@ def retrying(pool, call, spec: EpisodeSpec | None, say=print, since: int | None 
         return call()
 
     try:
-        return pool.retrying(counted, say, since=since)
+        return layout.retrying(counted, say, since=since)
     except Exception as exc:
         stall = stalled(exc)
         if spec is None or stall is None:

@@ -34,7 +34,7 @@ def curve_point(s: Session, cfg: PPOConfig, ref, ref_call: str, it: int, trend: 
     k = cfg.curve_samples
     sampling = {"n": k, "temperature": cfg.sampling.temperature, "top_p": cfg.sampling.top_p,
                 "max_tokens": cfg.sampling.max_new_tokens, "logprobs": 0, "seed": 54321}
-    flat = generate(s.pool, rows, sampling, s.episode, ctx.progress)
+    flat = generate(s.layout, rows, sampling, s.episode, ctx.progress)
     reps = [r for r in rows for _ in range(k)]
     texts = answers_of(s.tok, flat)
     batch = rollout_batch(reps, flat, s.tok.pad_token_id)
@@ -91,7 +91,7 @@ def finish(s: Session, cfg: PPOConfig, ctx: StageContext, before: dict | None, m
         ctx.log_dict(trend["curve"], "overoptimisation.json")
     if before is not None:
         before, before_gold = before
-        after, after_gold = evaluate(s.pool, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
+        after, after_gold = evaluate(s.layout, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
                                      s.episode, s.env_budget, ctx.progress)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
         if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
@@ -110,7 +110,7 @@ def finish(s: Session, cfg: PPOConfig, ctx: StageContext, before: dict | None, m
             ctx.progress("held-out answers cut off at sampling.max_new_tokens="
                          f"{cfg.sampling.max_new_tokens} (scored as given): " + ", ".join(
                              f"{k.replace('_', ' ')} {b:.1%} -> {a:.1%}" for k, (b, a) in cut.items()))
-    final["engine_restarts"] = s.pool.restarts
+    final["engine_restarts"] = s.layout.restarts
     final.update(s.rule.totals() if hasattr(s.rule, "totals") else {})  # failed calls of your code, if any
     if s.env_budget is not None and s.env_budget.failed:
         final["env_errors_total"] = s.env_budget.failed

@@ -8,6 +8,8 @@ groups, the CPU and GPU counts checked at load and at start, and their tests rea
 - layout **separate**: a bundle per rank of each role that has ranks of its own (the reference has none when it is
   the LoRA policy's adapter switched off or sits in the policy ranks), and one per rollout engine.
 
+Each layout's module says its own (`bundles`, `refuse`: stages/ppo/layouts/).
+
 On GPUs every bundle holds `gpus_per_process` of a GPU: 1 gives each process a GPU of its own; a fraction packs
 several on one (0.25: four processes a GPU, as OpenRLHF's colocate_all; then set rollout.gpu_memory_utilization so
 that the engines leave room for the trainers). An engine of `rollout.tensor_parallel_size` N holds N whole GPUs.
@@ -17,29 +19,11 @@ What a layout cannot place or hold is refused at validation (`fits_layout`).
 from __future__ import annotations
 
 
-def roles(cfg) -> dict:
-    """The roles with ranks of their own in the separate layout: name -> its role config."""
-    out = {"policy": cfg.policy}
-    if not (cfg.policy.lora or cfg.reference.colocate):
-        out["reference"] = cfg.reference
-    if cfg.algorithm == "ppo":
-        out["critic"] = cfg.critic
-    if cfg.rewards.model_weight:
-        out["reward"] = cfg.reward
-    if cfg.distill:
-        out["distill"] = cfg.distill.role
-    return out
-
-
 def bundles(cfg, gpu: bool) -> dict[str, list[dict[str, float]]]:
-    """Each process group's bundles (`{"CPU": n, "GPU": share}`), as the stage asks Ray for them."""
-    share = {"GPU": cfg.gpus_per_process} if gpu else {}
-    if cfg.layout == "colocated":  # the policy ranks hold everything
-        return {"policy": [{"CPU": cfg.policy.cpus_per_rank, **share}] * cfg.policy.num_ranks}
-    out = {name: [{"CPU": role.cpus_per_rank, **share}] * role.num_ranks for name, role in roles(cfg).items()}
-    engine = {"GPU": cfg.gpus_per_process * cfg.rollout.tensor_parallel_size} if gpu else {}
-    out["engines"] = [{"CPU": cfg.rollout.cpus_per_engine, **engine}] * cfg.rollout.num_engines
-    return out
+    """Each process group's bundles (`{"CPU": n, "GPU": share}`), as the stage asks Ray for them: its layout's."""
+    from stages.ppo.layouts import layout_of
+
+    return layout_of(cfg).bundles(cfg, gpu)
 
 
 def needed(cfg, resource: str) -> float:
@@ -73,43 +57,17 @@ def on_cpu(cfg, error: type[Exception] | None = None) -> None:
 
 
 def fits_layout(cfg) -> None:
-    """What a layout cannot do, refused at validation with the reason and the fix (docs/architecture.md, docs/rl.md)."""
-    if cfg.layout == "separate" and cfg.rollout.sleep_mode:
-        raise ValueError("rollout.sleep_mode: an engine of its own (layout separate) has no trainer to give its "
-                         "memory to; set stages.ppo.layout: colocated, or remove rollout.sleep_mode")
+    """What cannot be placed, then what the layout cannot do (its `refuse`), refused at validation with the
+    reason and the fix (docs/architecture.md, docs/rl.md)."""
+    from stages.ppo.layouts import layout_of
+
     tp = cfg.rollout.tensor_parallel_size
     if tp > 1 and cfg.gpus_per_process != 1:
         raise ValueError(f"rollout.tensor_parallel_size {tp}: each of an engine's {tp} shards needs a GPU of its own, "
                          f"but gpus_per_process is {cfg.gpus_per_process:g}; set gpus_per_process: 1, or "
                          "rollout.tensor_parallel_size: 1")
-    nccl = cfg.rollout.sync_transport == "nccl"
-    if nccl and cfg.gpus_per_process != 1:
+    if cfg.rollout.sync_transport == "nccl" and cfg.gpus_per_process != 1:
         raise ValueError(f"rollout.sync_transport nccl: NCCL cannot join two processes on one GPU, but "
                          f"gpus_per_process is {cfg.gpus_per_process:g}; set gpus_per_process: 1, or "
                          "rollout.sync_transport: object_store")
-    if cfg.layout == "separate":
-        return
-    fix = "or set stages.ppo.layout: separate"
-    if nccl:
-        raise ValueError("rollout.sync_transport nccl: in layout colocated each rank's engine takes its trainer's "
-                         f"tensors in the same process, with no transport; remove rollout.sync_transport, {fix}")
-    if tp > 1:
-        raise ValueError(f"rollout.tensor_parallel_size {tp}: in layout colocated each rank's engine runs in the "
-                         f"rank's process on the rank's one GPU; set rollout.tensor_parallel_size: 1, {fix}")
-    if cfg.rollout.async_:
-        raise ValueError("rollout.async: in layout colocated a rank's engine and trainer share one process and take "
-                         f"turns, so generation cannot overlap training; set rollout.async: false, {fix}")
-    if cfg.environment:
-        raise ValueError("environment: an environment runs your code beside the engine, and one that holds the "
-                         "interpreter is ended by killing the engine's process, which in layout colocated is a "
-                         f"policy rank (its training state with it); {fix}")
-    n = cfg.policy.num_ranks
-    given = [("rollout.num_engines", cfg.rollout.num_engines)] if "num_engines" in cfg.rollout.model_fields_set else []
-    used = [("critic", cfg.critic)] * (cfg.algorithm == "ppo") + [("reference", cfg.reference)] \
-        + [("reward", cfg.reward)] * bool(cfg.rewards.model_weight) \
-        + ([("distill.role", cfg.distill.role)] if cfg.distill else [])
-    given += [(f"{name}.num_ranks", role.num_ranks) for name, role in used if "num_ranks" in role.model_fields_set]
-    for key, value in given:
-        if value != n:
-            raise ValueError(f"{key}: {value}, but in layout colocated every role and one engine sit in each of the "
-                             f"policy's {n} ranks; remove {key} (or set it to {n}), {fix}")
+    layout_of(cfg).refuse(cfg)

@@ -42,19 +42,6 @@ def _sampling(cfg: PPOConfig, seed: int, it: int, refill: int = 0) -> dict:
             "seed": random.Random(f"ppo-sampling-{seed}-{it}" + (f"-{refill}" if refill else "")).randrange(2**31)}
 
 
-def _launch(pool, policy, rows: list[dict], n: int, sampling: dict, episode=None):
-    """Policy ranks send their prompt shares to the engines (the call returns at once: refs); with an
-    environment, each rank's rows too (an environment's `reset` receives the whole row)."""
-    from stages.ppo.groups import shard
-
-    prompts = rows[::n]
-    if episode is None:
-        return policy.run_each("generate", shard([r["prompt_ids"] for r in prompts], len(policy)),
-                               engines=pool.engines, sampling=sampling)
-    return [policy.actors[i].generate.remote(ids, pool.engines, sampling, part, episode) for i, (ids, part) in
-            enumerate(zip(shard([r["prompt_ids"] for r in prompts], len(policy)), shard(prompts, len(policy))))]
-
-
 def request(s: Session, cfg: PPOConfig, seed: int, it: int, fault_at: int, refill: int = 0) -> Rollouts:
     """Sample iteration `it`'s prompts (seeded per iteration and dynamic sampling's refill round, so a resumed
     run sees the same ones) and launch their generation with the weights the engines hold now."""
@@ -63,10 +50,9 @@ def request(s: Session, cfg: PPOConfig, seed: int, it: int, fault_at: int, refil
     rows = random.Random(key).sample(s.train_rows, cfg.prompts_per_iteration)
     rows = [r for r in rows for _ in range(n)]
     if it == fault_at and not refill:
-        s.pool.kill(0)
+        s.layout.kill_engine(0)
     sampling = _sampling(cfg, seed, it, refill)
-    return Rollouts(it, rows, sampling, _launch(s.pool, s.role("policy"), rows, n, sampling, s.episode),
-                     restarts=s.pool.restarts)
+    return Rollouts(it, rows, sampling, s.layout.rollouts(rows[::n], sampling, s.episode), restarts=s.layout.restarts)
 
 
 def collect(s: Session, req: Rollouts, n: int, console) -> Rollouts:
@@ -83,13 +69,13 @@ def collect(s: Session, req: Rollouts, n: int, console) -> Rollouts:
 
     def once() -> list[list[dict]]:
         if not sent:  # a retry: the engines were restarted
-            req.refs = _launch(s.pool, s.role("policy"), req.rows, n, req.sampling, s.episode)
+            req.refs = s.layout.rollouts(req.rows[::n], req.sampling, s.episode)
         sent.clear()
         return [g for part in ray.get(req.refs) for g in part]
 
     # With rollout.async the request went out before the last weight sync, which may have restarted an engine
     # it was sent to (one killed after the previous request): `since` makes that a reason to send it again.
-    req.generated = retrying(s.pool, once, s.episode, console, since=req.restarts)
+    req.generated = retrying(s.layout, once, s.episode, console, since=req.restarts)
     req.wait_s = time.time() - t0
     return req
 

@@ -121,23 +121,14 @@ def failures_note(metrics: dict) -> str:
     return (" | " + ", ".join(parts)) if parts else ""
 
 
-def generate(pool, rows: list[dict], sampling: dict, episode=None, say=print) -> list[dict]:
+def generate(layout, rows: list[dict], sampling: dict, episode=None, say=print) -> list[dict]:
     """Every sample of every row's prompt from the engines' current weights, prompts spread over the
-    engines; a prompt's `sampling['n']` samples adjacent. With `episode`, multi-turn episodes (followed:
-    an engine stalled by the environment is killed, restarted and the request sent again)."""
-    import ray
+    engines (`layout.generate`); a prompt's `sampling['n']` samples adjacent. With `episode`, multi-turn
+    episodes (followed: an engine stalled by the environment is killed, restarted and the request sent again)."""
+    from stages.ppo.episodes import retrying
 
-    from stages.ppo.episodes import retrying, run_episodes
-    from stages.ppo.groups import shard
-
-    def once() -> list[list[dict]]:
-        parts = shard([r["prompt_ids"] for r in rows], len(pool.engines))
-        if episode is None:
-            return [g for part in ray.get([e.generate.remote(p, sampling) for e, p in zip(pool.engines, parts) if p])
-                    for g in part]
-        return run_episodes(pool.engines, parts, shard(rows, len(pool.engines)), sampling, episode, say)
-
-    return [s for group in retrying(pool, once, episode, say) for s in group]
+    return [s for group in retrying(layout, lambda: layout.generate(rows, sampling, episode, say), episode, say)
+            for s in group]
 
 
 def answers_of(tok, flat: list[dict]) -> list[str]:
@@ -178,7 +169,7 @@ def trajectories(rows: list[dict], flat: list[dict], scores: list[float], k: int
              "truncated": not flat[i]["finished"]} for i in range(0, min(k * n, len(flat)), n)]
 
 
-def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
+def evaluate(layout, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, gold=None,
              moments: RunningMoments | None = None, verify=None, episode=None, budget=None, say=print
              ) -> tuple[dict[str, list[float]], list[list[float]] | None]:
     """Per held-out prompt: greedy answer's score and rule reward, and the means over `eval_samples` samples;
@@ -192,7 +183,7 @@ def evaluate(pool, rows: list[dict], tok, reward_group, cfg: PPOConfig, rule, go
     """
 
     def answers(sampling: dict, k: int) -> tuple[dict[str, list[float]], list[list[float]] | None]:
-        flat = generate(pool, rows, sampling, episode, say)
+        flat = generate(layout, rows, sampling, episode, say)
         texts = answers_of(tok, flat)
         reps = [r for r in rows for _ in range(k)]
         if budget is not None:  # an environment that broke its protocol on too many episodes stops the stage

@@ -6,7 +6,6 @@ them by name; this file is what runs inside one rank. A rank holds its model und
 wrapped without one, so ZeRO-3 still shards them), and answers:
 
     setup(spec)              load the role's model from an HF directory
-    generate(...)            policy ranks: send their prompt share to rollout engines
     logprobs(batch)          policy / reference: log p of each response token
     ref_logprobs(batch)      policy: the reference's log-probs (its adapter off, or the colocated copy)
     values(batch)            critic: V(s) before each response token
@@ -28,8 +27,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from typing import Any
-
-import ray
 
 from stages.ppo.groups import Workhorse
 
@@ -55,12 +52,8 @@ def _micro_batches(batch: dict, size: int, generator, device):
 
 
 class PPOWorker(Workhorse):
-    """One rank of one PPO role (see the module docstring for its calls).
-
-    `generate` runs in its own Ray concurrency group: it only waits on the engines, so with
-    `rollout.async` a policy rank sends the next iteration's prompts while it trains on this one."""
-
-    CONCURRENCY_GROUPS = {"rollout": 1}
+    """One rank of one PPO role (see the module docstring for its calls); a layout's rank class adds how it
+    generates (stages/ppo/layouts/)."""
 
     # --------------------------------------------------------------- set-up
 
@@ -127,31 +120,6 @@ class PPOWorker(Workhorse):
             safe_checkpoint_loads(self.engine)
         self.startup.update(imports=t1 - t0, model=t2 - t1, deepspeed=time.time() - t2)
         return count_parameters(model)
-
-    # --------------------------------------------------------------- rollouts
-
-    @ray.method(concurrency_group="rollout")
-    def generate(self, prompt_ids: list[list[int]], engines: list, sampling: dict, rows: list[dict] | None = None,
-                 episode=None) -> list[list[dict]]:
-        """This rank's prompts, spread over its engines: rank r uses engines r, r+W, r+2W, ... (or r mod N).
-
-        Any rank can call any engine: with fewer engines than ranks several ranks share one;
-        with more, each rank drives several concurrently. With `episode` (an EpisodeSpec) each sample is a
-        multi-turn episode against its environment, which receives the prompt's row.
-        """
-        import ray
-
-        from stages.ppo.groups import shard
-
-        mine = [e for i, e in enumerate(engines) if i % self.world == self.rank % len(engines)] \
-            if len(engines) >= self.world else [engines[self.rank % len(engines)]]
-        parts = shard(prompt_ids, len(mine))
-        if episode is not None:  # followed: an engine stalled by the environment is killed (EngineStalled)
-            from stages.ppo.episodes import run_episodes
-
-            return run_episodes(mine, parts, shard(rows, len(mine)), sampling, episode)
-        outs = ray.get([e.generate.remote(p, sampling) for e, p in zip(mine, parts) if p])
-        return [s for part in outs for s in part]
 
     # --------------------------------------------------------------- forward passes
 
