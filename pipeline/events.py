@@ -20,7 +20,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 MARK = "::pipeline:: "  # prefix of an event line written by a worker (JSON after it)
 # What a progress report shows of a training step's metrics (all of them go to MLflow).
@@ -128,6 +129,22 @@ class RankZeroLogger:
         if self.rank == 0:
             shown = {k: v for k, v in metrics.items() if k in PROGRESS_METRICS}
             advance(self.prefix, step, total, "step", " ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+
+
+@contextmanager
+def timed(into: dict, key: str) -> Iterator[dict]:
+    """`with timed(stats, "train_s"):` adds the block's wall-clock seconds to `stats[key]` (summed when
+    the block repeats, as a phase inside a loop does).
+
+    Why one idiom: phase timings (an iteration's train, sync and score; a step's backward and optimizer)
+    read as the phase they time, and a reader does not have to pair `t0 = time.time()` with the
+    subtraction further down. The time is recorded even when the block raises.
+    """
+    began = time.time()
+    try:
+        yield into
+    finally:
+        into[key] = into.get(key, 0.0) + time.time() - began
 
 
 class StartupClock:

@@ -41,6 +41,21 @@ def test_the_start_up_ends_once_and_a_part_marked_twice_adds_up(monkeypatch):
     assert clock.parts["evaluation"] == pytest.approx(2.0)
 
 
+def test_timed_adds_each_blocks_seconds_and_records_them_when_the_block_raises(monkeypatch):
+    """The one phase-timing idiom (`with events.timed(stats, "train_s"):`): repeats sum, a raise still counts."""
+    ticks = iter([10.0, 12.5, 20.0, 21.0, 30.0, 34.0])
+    monkeypatch.setattr(events.time, "time", lambda: next(ticks))
+    stats: dict = {"loss": 1.0}
+    with events.timed(stats, "backward"):
+        pass
+    with events.timed(stats, "backward"):
+        pass
+    assert stats == {"loss": 1.0, "backward": pytest.approx(3.5)}
+    with pytest.raises(RuntimeError), events.timed(stats, "optimizer"):
+        raise RuntimeError("step failed")
+    assert stats["optimizer"] == pytest.approx(4.0)
+
+
 def test_metrics_name_every_part_and_detail_and_the_clock_travels_to_workers(monkeypatch):
     clock = _clock(monkeypatch, [10.0, 12.0, 15.0, 15.0])
     clock.mark("driver")

@@ -178,17 +178,14 @@ def worker(c: dict) -> None:
             if engine.global_steps >= total:
                 break
             training.first_step(clock, log)  # the first one ends the start-up: shown and logged once
-            t0 = time.time()
+            began = time.time()
             loss = objective.loss(engine, batch, micro, phases)
-            t1 = time.time()
-            engine.backward(loss)  # ZeRO's gradient reduction between ranks happens in here
-            t2 = time.time()
+            with events.timed(phases, "backward"):
+                engine.backward(loss)  # ZeRO's gradient reduction between ranks happens in here
             before = engine.global_steps
-            engine.step()
-            t3 = time.time()
-            phases["backward"] = phases.get("backward", 0.0) + t2 - t1
-            phases["optimizer"] = phases.get("optimizer", 0.0) + t3 - t2
-            busy += t3 - t0
+            with events.timed(phases, "optimizer"):
+                engine.step()
+            busy += time.time() - began
             if engine.global_steps == before:  # still accumulating
                 continue
             step = engine.global_steps

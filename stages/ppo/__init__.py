@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import faults
+from pipeline.events import timed
 from stages.ppo.config import PPOConfig, check, wire  # noqa: F401  (the stage's config and hooks, for the registry)
 from stages.ppo.evaluation import curve_point, finish
 from stages.ppo.roles import Session, start
@@ -344,18 +345,21 @@ def _train(s: Session, loop: _Loop, batch: dict) -> dict:
 
     from stages.ppo.worker import shard_batch
 
-    t0 = time.time()
-    policy, critic = s.role("policy"), s.role("critic")
-    refs = policy.run_each("train_policy", shard_batch(batch, len(policy)), hp=loop.hp)
-    crefs = critic.run_each("train_critic", shard_batch(batch, len(critic)), hp=loop.hp) if critic else []
-    return ray.get(refs)[0] | (ray.get(crefs)[0] if critic else {}) | {"train_s": time.time() - t0}
+    timing: dict[str, float] = {}
+    with timed(timing, "train_s"):
+        policy, critic = s.role("policy"), s.role("critic")
+        refs = policy.run_each("train_policy", shard_batch(batch, len(policy)), hp=loop.hp)
+        crefs = critic.run_each("train_critic", shard_batch(batch, len(critic)), hp=loop.hp) if critic else []
+        stats = ray.get(refs)[0] | (ray.get(crefs)[0] if critic else {})
+    return stats | timing
 
 
 def _sync(s: Session, it: int) -> dict:
     """Step 7.: the new weights into every engine (the layout's `sync_weights`); the timings and size."""
-    t0 = time.time()
-    load_s, sync_bytes = s.layout.sync_weights(it + 1)
-    return {"sync_s": time.time() - t0, "sync_load_s": load_s, "sync_mb": sync_bytes / 2**20}
+    timing: dict[str, float] = {}
+    with timed(timing, "sync_s"):
+        load_s, sync_bytes = s.layout.sync_weights(it + 1)
+    return timing | {"sync_load_s": load_s, "sync_mb": sync_bytes / 2**20}
 
 
 def _log(s: Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, sc: _Scored, trained: dict,

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.events import timed
 from stages.ppo.groups import Workhorse
 
 
@@ -188,45 +189,46 @@ class PPOWorker(Workhorse):
 
         self.engine.train()
         stats: dict[str, list[float]] = {"policy_loss": [], "clip_frac": [], "approx_kl": [], "entropy": []}
-        t0 = time.time()
-        for _ in range(hp["epochs"]):
-            for mb in _micro_batches(batch, hp["micro"], self.generator, device_of(self.engine)):
-                mask = mb["response_mask"]
-                logp, entropy = self._logprobs(mb, with_entropy=True)
-                # group estimators: the KL to the reference in the loss (k3, per token), not in the reward
-                kl = kl_penalty(logp, mb["ref_logprobs"], "k3") if hp["kl_loss_coef"] else None
-                loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps"],
-                                      weights=mb.get("tis_weights"), agg=hp["agg"], max_len=hp["max_len"],
-                                      clip_eps_high=hp["clip_eps_high"], level=hp["level"], kl=kl,
-                                      kl_coef=hp["kl_loss_coef"], tokens=hp["tokens_per_row"] * hp["micro"],
-                                      kl_weighted=hp["kl_weighted"])
-                ent = masked_mean(entropy, mask)
-                loss = loss - hp["entropy_coef"] * ent
-                self.engine.backward(loss)
-                self.engine.step()
-                stats["policy_loss"].append(loss.item())
-                stats["clip_frac"].append(s["clip_frac"])
-                stats["approx_kl"].append(s["approx_kl"])
-                stats["entropy"].append(ent.item())
-        return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, "policy_train_s": time.time() - t0}
+        timing: dict[str, float] = {}
+        with timed(timing, "policy_train_s"):
+            for _ in range(hp["epochs"]):
+                for mb in _micro_batches(batch, hp["micro"], self.generator, device_of(self.engine)):
+                    mask = mb["response_mask"]
+                    logp, entropy = self._logprobs(mb, with_entropy=True)
+                    # group estimators: the KL to the reference in the loss (k3, per token), not in the reward
+                    kl = kl_penalty(logp, mb["ref_logprobs"], "k3") if hp["kl_loss_coef"] else None
+                    loss, s = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps"],
+                                          weights=mb.get("tis_weights"), agg=hp["agg"], max_len=hp["max_len"],
+                                          clip_eps_high=hp["clip_eps_high"], level=hp["level"], kl=kl,
+                                          kl_coef=hp["kl_loss_coef"], tokens=hp["tokens_per_row"] * hp["micro"],
+                                          kl_weighted=hp["kl_weighted"])
+                    ent = masked_mean(entropy, mask)
+                    loss = loss - hp["entropy_coef"] * ent
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    stats["policy_loss"].append(loss.item())
+                    stats["clip_frac"].append(s["clip_frac"])
+                    stats["approx_kl"].append(s["approx_kl"])
+                    stats["entropy"].append(ent.item())
+        return {**{k: sum(v) / max(len(v), 1) for k, v in stats.items()}, **timing}
 
     def train_critic(self, batch: dict, hp: dict) -> dict[str, float]:
         from stages.common.devices import device_of
         from stages.ppo.losses import value_loss
 
         self.engine.train()
-        losses, clipped = [], []
-        t0 = time.time()
-        for _ in range(hp["epochs"]):
-            for mb in _micro_batches(batch, hp["micro"], self.generator, device_of(self.engine)):
-                loss, s = value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["response_mask"],
-                                     hp["value_clip"])
-                self.engine.backward(loss)
-                self.engine.step()
-                losses.append(loss.item())
-                clipped.append(s["value_clip_frac"])
+        losses, clipped, timing = [], [], {}
+        with timed(timing, "critic_train_s"):
+            for _ in range(hp["epochs"]):
+                for mb in _micro_batches(batch, hp["micro"], self.generator, device_of(self.engine)):
+                    loss, s = value_loss(self._values(mb), mb["old_values"], mb["returns"], mb["response_mask"],
+                                         hp["value_clip"])
+                    self.engine.backward(loss)
+                    self.engine.step()
+                    losses.append(loss.item())
+                    clipped.append(s["value_clip_frac"])
         return {"value_loss": sum(losses) / max(len(losses), 1),
-                "value_clip_frac": sum(clipped) / max(len(clipped), 1), "critic_train_s": time.time() - t0}
+                "value_clip_frac": sum(clipped) / max(len(clipped), 1), **timing}
 
     # --------------------------------------------------------------- weights and checkpoints
 
