@@ -17,12 +17,7 @@ Run the checks: `.venv/bin/python -m pytest tests/test_rl_math.py -q`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from stages.ppo.config import PPOConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CONTROLLERS = ("fixed", "adaptive")
@@ -374,8 +369,9 @@ def pad_rows(rows: list[list[float]], width: int):
     return out
 
 
-def advantages(cfg: PPOConfig, scores, kl, mask, kl_coef: float, values=None, distill=None):
-    """(advantages (B, T), returns (B, T) or None, coefficient of the KL term in the policy loss).
+def advantages(cfg, scores, kl, mask, kl_coef: float, values=None, distill=None):
+    """(advantages (B, T), returns (B, T) or None, coefficient of the KL term in the policy loss); `cfg`, the stage's
+    PPOConfig (not imported: the math stays below the config).
 
     PPO and REINFORCE++ pay the KL to the reference per token inside the reward; the group
     estimators (GRPO, RLOO, Dr. GRPO) score whole responses against their prompt's other

@@ -18,10 +18,7 @@ resumes from the last checkpoint, at most `MAX_RESTARTS` times.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol
-
-if TYPE_CHECKING:  # annotations only
-    from stages.ppo.roles import Session
+from typing import Any, Callable, Protocol
 
 MAX_RESTARTS = 2  # a process that dies again and again is a bug to report, not to retry forever
 
@@ -57,9 +54,9 @@ class Layout(Protocol):
 
     # ------------------------------------------------------------------ running
 
-    def start(self, s: Session, roles: list[tuple], engine, gpu: bool, seed: int, run_storage) -> None:
-        """Request every process at once (nothing blocks) and fill `s.groups`: role name -> a group answering
-        `run`, `run_each`, `get` and `__len__` as `ModelGroup` does. `roles`: (name, role config, kind, model
+    def start(self, s, roles: list[tuple], engine, gpu: bool, seed: int, run_storage) -> None:
+        """Request every process at once (nothing blocks) and fill `s.groups` (`s`, the stage's `roles.Session`):
+        role name -> a group answering `run`, `run_each`, `get` and `__len__` as `ModelGroup` does. `roles`: (name, role config, kind, model
         directory, trainable); `engine`: the `EngineSpec` the layout's engines start from."""
 
     def ready(self, clock) -> dict[str, int]:

@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only
     from pathlib import Path
 
-    from stages.ppo.config import PPOConfig
+# cfg is a PPOConfig throughout; it is not imported here, not even for annotations: config.py asks the
+# layouts (a light class method) at validation, and an import back would close a circle of imports.
 
 
-def role_spec(layout, name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
+def role_spec(layout, name: str, role, kind: str, model_dir: Path, cfg, trainable: bool, gpu: bool,
               pad_id: int, seed: int, run_storage) -> dict:
     """What a rank of `role` sets up with (`PPOWorker.setup`) in `layout`: its model, DeepSpeed config and LoRA."""
     from stages.common.deepspeed import engine_config, use_bf16

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only
-    from stages.ppo.config import PPOConfig
+# cfg is a PPOConfig throughout; it is not imported here, not even for annotations: config.py asks the
+# layouts (a light class method) at validation, and an import back would close a circle of imports.
 
 
 def own_roles(cfg) -> dict:
@@ -155,7 +153,7 @@ class Separate:
             g.shutdown()
 
 
-def start_role(name: str, role, kind: str, model_dir: Path, cfg: PPOConfig, trainable: bool, gpu: bool,
+def start_role(name: str, role, kind: str, model_dir: Path, cfg, trainable: bool, gpu: bool,
                pad_id: int, seed: int, run_storage):
     """A ModelGroup of SeparateRank ranks holding `model_dir` as `kind`; returns (group, setup refs)."""
     from stages.ppo.groups import ModelGroup
