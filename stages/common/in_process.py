@@ -98,14 +98,12 @@ def _process_group():
         yield
     finally:
         import deepspeed.comm
-        from deepspeed.utils import groups
+
+        from stages.common.upstream.deepspeed_groups import release_cached_groups
 
         if dist.is_initialized():
             deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's references to the group
-        # Ray Train's local controller destroys the group itself when the loop succeeds (torch's call, not
-        # DeepSpeed's), which leaves DeepSpeed's clone of the world group cached: the next engine in this
-        # process broadcast over it ("Group ... is not registered"). DeepSpeed has no public call for this.
-        groups._release_process_group_references(None)
+        release_cached_groups()  # the group may have been destroyed by torch's call instead (Ray Train's)
 
 
 @contextlib.contextmanager
@@ -132,12 +130,10 @@ def _driver_kept(env: dict[str, str]):
 
 
 def _forget_train_session() -> None:
-    """Ray Train's local mode leaves its train-function utilities set: this process would pass for a worker."""
-    try:
-        from ray.train.v2._internal.execution.train_fn_utils import set_train_fn_utils
-    except ImportError:  # another Ray: nothing of this kind to clear
-        return
-    set_train_fn_utils(None)
+    """Ray Train's local mode leaves its train-function utilities set (stages/common/upstream/ray_train_session.py)."""
+    from stages.common.upstream.ray_train_session import forget_train_session
+
+    forget_train_session()
 
 
 # --------------------------------------------------------------------------- checkpoints (the loop's side)

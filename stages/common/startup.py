@@ -15,53 +15,29 @@ CPU an import burns is a second of somebody's start-up (bench/startup.py measure
   MLflow hidden; a process that logs to MLflow (a Train rank 0) has imported it already and is
   left as it is.
 
-Both are measured in bench/RESULTS.md (start-up). They change what is imported, never what is computed.
+Both are measured in bench/RESULTS.md (start-up). They change what is imported, never what is computed. Each
+is an upstream defect worked around in its own module, with the version it targets and the test that says when
+it can go: stages/common/upstream/transformers_sklearn.py and deepspeed_mlflow.py.
 """
 
 from __future__ import annotations
 
-import sys
-from contextlib import contextmanager
-
 
 def lean_imports() -> None:
     """Call first thing in a worker process, before transformers loads its generation utilities."""
-    if "transformers.generation" in sys.modules:  # too late: it has imported scikit-learn already
-        return
-    import transformers.utils
-    import transformers.utils.import_utils as import_utils
+    from stages.common.upstream.transformers_sklearn import hide_sklearn
 
-    def absent() -> bool:
-        return False
-
-    import_utils.is_sklearn_available = absent  # what `transformers.generation` asks, by either name
-    transformers.utils.is_sklearn_available = absent
-
-
-@contextmanager
-def _hidden(module: str):
-    """`import <module>` raises ImportError inside the block (a library's optional import is skipped),
-    unless the process has imported it already."""
-    if module in sys.modules:
-        yield
-        return
-    sys.modules[module] = None  # type: ignore[assignment]  # the import system's "not importable" marker
-    try:
-        yield
-    finally:
-        if sys.modules.get(module, 0) is None:
-            del sys.modules[module]
+    hide_sklearn()
 
 
 def import_deepspeed():
     """DeepSpeed, imported lean, with its JIT-built ops looked for in the venv (`isolate_jit_builds`) and its
     accelerator chosen from the device Ray gave this process (`devices.set_accelerator`)."""
-    from stages.common.deepspeed import isolate_jit_builds
     from stages.common.devices import set_accelerator
+    from stages.common.upstream.deepspeed_mlflow import import_without_mlflow
+    from stages.common.upstream.torch_extensions import isolate_jit_builds
 
     isolate_jit_builds()
     set_accelerator()
     lean_imports()
-    with _hidden("mlflow"):
-        import deepspeed
-    return deepspeed
+    return import_without_mlflow()

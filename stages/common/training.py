@@ -97,31 +97,14 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
 
 
 def fit_and_end_controller(trainer):
-    """`trainer.fit()`, with its TrainController ended when it returns, and Ctrl-C left to the pipeline.
+    """`trainer.fit()`, with its TrainController ended when it returns, and Ctrl-C left to the pipeline
+    (why: stages/common/upstream/ray_train_sigint.py)."""
+    from stages.common.upstream.ray_train_sigint import controllers_ended
 
-    Ray Train V2 (DataParallelTrainer._register_sigint_handler) gives the driver a SIGINT handler that
-    closes over the controller's handle and is never taken back. It kept each stage's controller alive
-    after its fit (~400 MB) until the next stage's fit replaced the handler, which then let the
-    controller go out of scope: a graceful exit that, if it blocks, leaves the process running past
-    `ray.shutdown()`, reparented to init (issue 48, item 8; `pipeline.cluster.shutdown_ray` ends such
-    stragglers). And it swallowed Ctrl-C: the first one aborted the controller, which the driver saw as
-    SystemExit(1) from `ray.get` (exit 1, not 130); after the stage the aborts went to a finished
-    controller and the run went on. So the handle is kept here instead, Python's own SIGINT handling
-    (KeyboardInterrupt: the runner's cleanup, exit 130) stays, and the controller is killed as fit
-    returns or raises (`ray.kill`: no graceful exit to block; its workers, which it owns, go with it)."""
-    import ray
-
-    events.record_start("train_groups", detail=f"{getattr(getattr(trainer, 'scaling_config', None), 'num_workers', '?')} worker(s)")
-    controllers: list = []
-    trainer._register_sigint_handler = controllers.append  # called with the controller, on the main thread only
-    try:
+    workers = getattr(getattr(trainer, "scaling_config", None), "num_workers", "?")
+    events.record_start("train_groups", detail=f"{workers} worker(s)")
+    with controllers_ended(trainer):
         return trainer.fit()
-    finally:
-        for controller in controllers:
-            try:
-                ray.kill(controller)
-            except Exception:  # noqa: BLE001 - Ray already gone (a failed run's shutdown): nothing left to kill
-                pass
 
 
 def direct_splits(splits: dict[str, Path]) -> dict[str, str]:
@@ -373,7 +356,8 @@ def init_engine(model, ds_config: dict):
 
     deepspeed = import_deepspeed()
 
-    from stages.common.deepspeed import for_device, safe_checkpoint_loads
+    from stages.common.deepspeed import for_device
+    from stages.common.upstream.deepspeed_loads import safe_checkpoint_loads
     from stages.common.devices import process_device
 
     # Only what trains gets optimizer state (all of it, or a LoRA adapter and its score head); on a GPU torch's
@@ -416,10 +400,10 @@ def save_checkpoint(engine, directory: Path, rank: int) -> None:
 
 def load_checkpoint(engine, directory: Path) -> None:
     """Counterpart of `save_checkpoint`: optimizer and scheduler state, and the weights. Every file is
-    unpickled by the allow-listed `weights_only` load (`deepspeed.weights_only_loads`), whichever
+    unpickled by the allow-listed `weights_only` load (`upstream.deepspeed_loads.weights_only_loads`), whichever
     checkpoint engine the DeepSpeed config picked."""
     from stages.common import lora
-    from stages.common.deepspeed import weights_only_loads
+    from stages.common.upstream.deepspeed_loads import weights_only_loads
 
     peft = lora.is_peft(engine.module)
     with weights_only_loads():

@@ -44,8 +44,7 @@ def __getattr__(name: str):
 
 @functools.cache
 def _local_model() -> type:
-    # Ray 2.60 documents LLMConfig.callback_config but exports no public name for its base class.
-    from ray.llm._internal.common.callbacks.base import CallbackBase
+    from stages.common.upstream.ray_llm_private import CallbackBase  # no public name (Ray 2.60)
 
     class LocalModel(CallbackBase):
         """Serve LLM's start-up callback (`LLMConfig.callback_config`) for a model that is a directory
@@ -121,8 +120,7 @@ class LocalAdapters:
         self.paths, self.loaded = paths, {}
 
     async def load_model_from_config(self, lora_model_id: str, llm_config):
-        from ray.llm._internal.common.models import global_id_manager
-        from ray.llm._internal.serve.core.configs.llm_config import DiskMultiplexConfig
+        from stages.common.upstream.ray_llm_private import DiskMultiplexConfig, global_id_manager
 
         if lora_model_id not in self.loaded:
             name = lora_model_id.partition(":")[2]
@@ -172,8 +170,9 @@ def ingress_app(api_key: str | None, limits: LimitsConfig, models: list[str], co
     CORS middleware, which lets any origin in with credentials; `RequestGuard` in front of it; and, only
     when `http.cors_origins` names origins, a CORS middleware for those in front of everything (so a
     browser's preflight, which carries no API key, is answered, and so are the guard's refusals)."""
-    from ray.llm._internal.serve.core.ingress.ingress import init
     from starlette.middleware.cors import CORSMiddleware
+
+    from stages.common.upstream.ray_llm_private import ingress_init as init
 
     app = init()
     app.user_middleware = [m for m in app.user_middleware if not issubclass(m.cls, CORSMiddleware)]
@@ -199,9 +198,10 @@ def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict
     directory (`LocalAdapters`) on first use. Listing it among the model cards puts it in
     /v1/models (Serve LLM lists adapters only from cloud storage)."""
     from ray import serve
-    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+
+    from stages.common.upstream.ray_llm_private import to_model_metadata
 
     adapters = adapters or {}
     base = llm_cfg.model_id
