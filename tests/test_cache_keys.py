@@ -49,12 +49,31 @@ def test_editing_reporting_interface_or_runner_code_reruns_no_stage(tmp_path, mo
     ("stages/common/train_loop.py", ["ppo", "reward", "serve", "sft", "tune"]),  # the one Train loop (ppo: on sft's model)
     ("stages/common/deepspeed.py", ["ppo", "reward", "serve", "sft", "tune"]),
     ("stages/ppo/rl.py", ["ppo", "serve"]),  # PPO's math: PPO and what serves its policy
+    ("stages/ppo/losses.py", ["ppo", "serve"]),  # what PPO's ranks minimise
+    ("stages/reward/losses.py", ["ppo", "reward", "serve"]),  # Bradley-Terry: the reward model and the policy it scores
     ("stages/common/tasks.py", sorted(["model", *AFTER_DATA])),  # the generated task (the model's tokenizer too)
     ("pipeline/storage.py", ["ppo", "serve"]),  # serve publishes through it, ppo writes its checkpoint records with it
     ("pipeline/swap.py", ["ppo", "serve"]),  # the store swaps directories in with it
 ])
 def test_editing_a_stages_code_reruns_it_and_what_is_downstream(tmp_path, monkeypatch, edited, rerun):
     assert _rekeyed(tmp_path, monkeypatch, edited) == rerun
+
+
+@pytest.mark.parametrize("stage, losses", [("stages.dpo", "stages/dpo/losses.py"), ("stages.reward", "stages/reward/losses.py"),
+                                           ("stages.ppo", "stages/ppo/losses.py")])
+def test_a_stages_loss_module_is_in_its_key(stage, losses):
+    """The stage package imports its losses by absolute name (`from stages.dpo.losses import pair_losses`), which
+    the key's import walk follows (dpo is not in the smoke plan above, so its key is read here directly)."""
+    assert losses in arts.code_fingerprint(stage)
+
+
+def test_no_project_module_imports_relatively():
+    """The key's import walk reads absolute imports only: a `from .losses import x` would leave that file's code
+    out of every key that should cover it, and editing it would rerun nothing."""
+    found = [f"{f.relative_to(ROOT)}:{node.lineno}" for package in arts.PROJECT_PACKAGES
+             for f in sorted((ROOT / package).rglob("*.py"))
+             for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert found == []
 
 
 def annotation_only_modules(path: Path) -> set[str]:

@@ -1,7 +1,8 @@
-"""On-policy distillation's per-token math (`stages/ppo/rl.py`) against TRL's `GKDTrainer.generalized_jsd_loss`
-(trl 1.16.0, `trl.experimental.gkd`; beta 1 is the reverse KL, KL(student || teacher)), on the same logits:
-the values per token and, through TRL's masked mean, the loss and its gradient to 1e-6. And the sampled-token
-estimate the ppo stage pays as a per-token reward: its mean over the student's own samples is -reverse KL."""
+"""On-policy distillation's per-token math (`stages/ppo/losses.py`'s `reverse_kl`, `stages/ppo/rl.py`'s sampled
+estimate) against TRL's `GKDTrainer.generalized_jsd_loss` (trl 1.16.0, `trl.experimental.gkd`; beta 1 is the
+reverse KL, KL(student || teacher)), on the same logits: the values per token and, through TRL's masked mean,
+the loss and its gradient to 1e-6. And the sampled-token estimate the ppo stage pays as a per-token reward:
+its mean over the student's own samples is -reverse KL."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from trl.experimental.gkd import GKDTrainer  # noqa: E402
 os.environ.clear()
 os.environ.update(_ENV)
 
-from stages.ppo import rl  # noqa: E402
+from stages.ppo import losses, rl  # noqa: E402
 
 B, T, V = 3, 5, 11
 
@@ -33,12 +34,12 @@ def test_reverse_kl_equals_trls_generalized_jsd_at_beta_1():
     mask = labels != -100
 
     per_token_trl = GKDTrainer.generalized_jsd_loss(student, teacher, beta=1.0, reduction="none").sum(-1)
-    ours = rl.reverse_kl(student, teacher)
+    ours = losses.reverse_kl(student, teacher)
     torch.testing.assert_close(ours, per_token_trl, atol=1e-6, rtol=1e-6)
     assert ours.min() > 0.05  # distinct distributions: a check that could fail
 
     theirs = GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=1.0)  # batchmean over tokens
-    mine = rl.masked_mean(rl.reverse_kl(student, teacher), mask)
+    mine = rl.masked_mean(losses.reverse_kl(student, teacher), mask)
     torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
     (g_theirs,) = torch.autograd.grad(theirs, student)
     (g_mine,) = torch.autograd.grad(mine, student)
@@ -58,7 +59,7 @@ def test_the_sampled_estimate_averages_to_minus_the_reverse_kl():
     log_s = torch.log_softmax(student, -1).view(-1, V).gather(1, draws)
     log_t = torch.log_softmax(teacher, -1).view(-1, V).gather(1, draws)
     estimate = rl.distill_advantages(log_s, log_t, torch.ones_like(log_s)).mean(1).view(B, T)
-    torch.testing.assert_close(estimate, -rl.reverse_kl(student, teacher), atol=0.05, rtol=0.0)
+    torch.testing.assert_close(estimate, -losses.reverse_kl(student, teacher), atol=0.05, rtol=0.0)
 
 
 def test_distill_advantages_are_zero_on_padding_and_scaled():

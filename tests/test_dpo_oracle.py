@@ -1,8 +1,8 @@
 """The dpo stage's loss math against TRL's trainers (trl 1.16.0, the `bench` extra): on the same tiny model,
 batch and settings, our loss and its gradient equal TRL's to 1e-5 in fp32.
 
-`stages/dpo.py` writes its losses as TRL writes them so that a user's beta (and SimPO's gamma) means what it
-means there; the unit tests (tests/test_dpo_units.py) check the formulas against numbers worked by hand, this
+`stages/dpo/losses.py` writes its losses as TRL writes them so that a user's beta (and SimPO's gamma) means what
+it means there; the unit tests (tests/test_dpo_units.py) check the formulas against numbers worked by hand, this
 module checks them against the library itself, through its own tokenization, collation and loss:
 - dpo: `DPOTrainer` with `loss_type=["sigmoid"]` (a list in 1.16; a string is wrapped into one);
 - ipo: `DPOTrainer` with `loss_type=["ipo"]` (its log-ratios divided by the answers' token counts);
@@ -39,7 +39,8 @@ os.environ.clear()
 os.environ.update(_ENV)
 
 from helpers.tiny_llama import load, loss_and_grads, perturb, tiny_model_dir
-from stages.dpo import collate, logps, pair_losses
+from stages.dpo import collate, logps
+from stages.dpo.losses import pair_losses
 
 PAIRS = {  # answers of different lengths, chosen longer in some pairs and shorter in others
     "prompt": ["what is two plus two?", "name a color.", "say hi", "count to three"],

@@ -12,8 +12,9 @@ import torch
 from conftest import SMOKE
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-from stages.dpo import (DPOConfig, Reference, averages, batch_loss, batch_metrics, collate, completions, kto_kl,
-                        kto_losses, logps, mismatched, pair_losses, sequence_logps)
+from stages.dpo import (DPOConfig, Reference, averages, batch_loss, batch_metrics, collate, completions, logps,
+                        mismatched, sequence_logps)
+from stages.dpo.losses import kto_kl, kto_losses, pair_losses
 
 
 def t(*xs):
@@ -222,7 +223,7 @@ def test_tune_sweeps_dpo_on_what_it_reports():
 
 
 def test_sft_weight_adds_the_chosen_answers_mean_token_nll():
-    from stages.dpo import chosen_nll
+    from stages.dpo.losses import chosen_nll
 
     # chosen log-probs -2 over 4 tokens and -4 over 4 tokens: NLL 6 / 8; an unpaired undesirable row left out
     assert chosen_nll(t(-2.0, -4.0, -9.0), t(4, 4, 3), t(1, 1, 0)).item() == pytest.approx(0.75)

@@ -132,7 +132,7 @@ def test_one_worker_in_the_driver_trains_as_a_one_worker_group_and_resumes(one_w
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/common/train_loop.py", "stages/common/training.py", "stages/reward.py"))
+@pytest.mark.tier("e2e", covers=("stages/common/train_loop.py", "stages/common/training.py", "stages/reward/"))
 def test_a_one_worker_stage_run_alone_trains_without_starting_ray(smoke_trained, tmp_path):
     """One worker reading its splits from their files needs no Ray at all: a reward stage run alone trains
     in the pipeline's process and never starts Ray (4-6 s of a stage's start-up on this machine kind)."""

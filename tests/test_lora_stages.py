@@ -15,7 +15,7 @@ from pipeline.runner import run_pipeline
 STARTS = {"pipelines": 3, "train_groups": 2, "vllm_engines": 4}
 
 pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
-    "stages/common/lora.py", "stages/sft.py", "stages/reward.py", "stages/ppo/", "stages/common/train_loop.py",
+    "stages/common/lora.py", "stages/sft.py", "stages/reward/", "stages/ppo/", "stages/common/train_loop.py",
     "stages/common/training.py"))]
 
 # LoRA everywhere; adapters learn at larger learning rates than full fine-tuning. PPO uses the toy

@@ -227,14 +227,14 @@ def teacher(run_dir):
 
 
 def reverse_kl_to(teacher, *students, prompts: int = 32, tokens: int = 8) -> list[float]:
-    """Each student's exact KL(student || teacher) over the vocabulary (rl.reverse_kl), averaged over the
+    """Each student's exact KL(student || teacher) over the vocabulary (losses.reverse_kl), averaged over the
     response positions of `prompts` held-out prompts answered by the first student (sampled, seeded): the
     same contexts for every student, and no sampling noise in the measure itself."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from stages.common.parquet import read_rows
-    from stages.ppo import rl
+    from stages.ppo import losses
 
     [eval_dir] = (Path(students[0]).parents[3] / "artifacts" / "data").glob("*/prompts/eval")
     rows = read_rows(eval_dir)[:prompts]
@@ -246,7 +246,7 @@ def reverse_kl_to(teacher, *students, prompts: int = 32, tokens: int = 8) -> lis
                 for r in rows]
         out = []
         for student in [first, *map(load, students[1:])]:
-            kls = [rl.reverse_kl(student(seq).logits, judge(seq).logits)[0, len(r["prompt_ids"]) - 1:-1].mean()
+            kls = [losses.reverse_kl(student(seq).logits, judge(seq).logits)[0, len(r["prompt_ids"]) - 1:-1].mean()
                    for seq, r in zip(seqs, rows)]
             out.append(float(torch.stack(kls).mean()))
     return out

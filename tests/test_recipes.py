@@ -50,7 +50,7 @@ def at_smoke_size(recipe) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["sft-only", "grpo-verifier", "own-job-real"])
 @pytest.mark.tier("e2e", covers=(
-    "configs/recipes/", "pipeline/plan.py", "pipeline/registry.py", "stages/dpo.py", "stages/ppo/", "stages/sft.py",
+    "configs/recipes/", "pipeline/plan.py", "pipeline/registry.py", "stages/dpo/", "stages/ppo/", "stages/sft.py",
     "stages/common/train_loop.py", "stages/common/training.py"))
 def test_a_recipe_without_some_stage_runs(recipe, smoke_trained, tmp_path):
     overrides = at_smoke_size(RECIPES / f"{recipe}.yaml")
@@ -81,7 +81,7 @@ def test_a_recipe_without_some_stage_runs(recipe, smoke_trained, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.tier("faults", covers=(
-    "configs/recipes/dpo.yaml", "stages/dpo.py", "stages/common/train_loop.py", "stages/common/training.py",
+    "configs/recipes/dpo.yaml", "stages/dpo/", "stages/common/train_loop.py", "stages/common/training.py",
     "stages/serve/"))
 def test_the_dpo_recipe_resumes_after_a_fault_and_serves_its_model(smoke_trained, tmp_path, monkeypatch):
     """SFT -> DPO -> serve at smoke size: DPO is interrupted after its checkpoint of step 3 and resumed; the

@@ -23,7 +23,7 @@ from stages.common.models import saved_heads
 STARTS = {"pipelines": 1, "ray": 1, "train_groups": 2, "vllm_engines": 1}
 
 pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
-    "stages/ppo/", "stages/reward.py", "stages/common/tasks.py", "stages/common/evaluation.py"))]
+    "stages/ppo/", "stages/reward/", "stages/common/tasks.py", "stages/common/evaluation.py"))]
 
 RLHF = ("task.preference.gold=explained", "task.preference.noise=0",
         "stages.data.generate.sft=400", "stages.data.generate.preference=200",

@@ -3,7 +3,10 @@ per-token loss is aggregated (`aggregate`), the importance ratio per token or pe
 `importance_log_ratio`), the clipped policy objective with clip-higher, CISPO's clipped-weight form and
 the KL term (`policy_loss`), and the critic's clipped value loss (`value_loss`). docs/objectives.md gives
 each setting's formula; `tests/test_grpo_oracle.py` holds the loss and its gradient to TRL's, and
-`tests/test_rl_math.py` to hand-computed values. Conventions as in `rl.py` ((B, T) tensors, `mask`).
+`tests/test_rl_math.py` to hand-computed values. And on-policy distillation's loss over the whole
+vocabulary (`reverse_kl`, TRL GKDTrainer's at beta 1, `tests/test_distill_oracle.py`): the stage pays its
+sampled estimate as a per-token reward (`rl.distill_advantages`, docs/distillation.md), the tests measure
+it exactly. Conventions as in `rl.py` ((B, T) tensors, `mask`).
 """
 
 from __future__ import annotations
@@ -126,3 +129,16 @@ def value_loss(
     with torch.no_grad():
         frac = masked_mean((clipped > unclipped).float(), mask).item()
     return loss, {"value_clip_frac": frac}
+
+
+def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """KL(student || teacher) of the next-token distributions per position: (B, T, V) twice -> (B, T).
+
+    On-policy distillation's per-token loss, over the whole vocabulary: sum_v p_s (log p_s - log p_t).
+    Reverse KL is mode-seeking: the student is pushed off tokens the teacher finds unlikely rather than
+    spread over everything the teacher allows. The same values as TRL's
+    `GKDTrainer.generalized_jsd_loss` with beta 1 before its reduction (tests/test_distill_oracle.py).
+    """
+    log_s = torch.log_softmax(student_logits.float(), dim=-1)
+    log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
+    return (log_s.exp() * (log_s - log_t)).sum(-1)

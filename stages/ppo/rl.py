@@ -1,7 +1,8 @@
 """The pure math of PPO and the critic-free estimators (GRPO, RLOO, REINFORCE++, Dr. GRPO) on the
 driver's side: advantages, KL penalties and their controller, whitening, truncated importance
-sampling, reward shaping (DAPO's overlong penalty and group filter). The losses the ranks minimise
-with them are in `losses.py`.
+sampling, reward shaping (DAPO's overlong penalty and group filter), on-policy distillation's sampled
+per-token reward. The losses the ranks minimise with them, and the exact reverse KL that reward
+estimates, are in `losses.py`.
 
 Why a module of its own: these few formulas decide whether RL training works, and every bug in
 them is silent (the loss still goes down). Kept as small functions on tensors, with no Ray,
@@ -79,27 +80,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
-def reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(student || teacher) of the next-token distributions per position: (B, T, V) twice -> (B, T).
-
-    On-policy distillation's per-token loss, over the whole vocabulary: sum_v p_s (log p_s - log p_t).
-    Reverse KL is mode-seeking: the student is pushed off tokens the teacher finds unlikely rather than
-    spread over everything the teacher allows. The same values as TRL's
-    `GKDTrainer.generalized_jsd_loss` with beta 1 before its reduction (tests/test_distill_oracle.py).
-    """
-    log_s = torch.log_softmax(student_logits.float(), dim=-1)
-    log_t = torch.log_softmax(teacher_logits.float(), dim=-1)
-    return (log_s.exp() * (log_s - log_t)).sum(-1)
-
-
 def distill_advantages(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
                        weight: float = 1.0) -> torch.Tensor:
     """Per-token advantages (B, T) of on-policy distillation: weight x (log p_teacher - log p_student) of each
     sampled token, 0 on padding.
 
     The student's own samples make this a one-sample estimate of -KL(student || teacher) at each position
-    (its mean over the student's sampling is `-reverse_kl`), from two log-probs per token instead of two
-    vocabularies: the teacher only scores the tokens the student sampled (Agarwal et al. 2024; Thinking
+    (its mean over the student's sampling is `-losses.reverse_kl`), from two log-probs per token instead
+    of two vocabularies: the teacher only scores the tokens the student sampled (Agarwal et al. 2024; Thinking
     Machines' "on-policy distillation", 2025). Each token keeps its own reward, undiscounted: a dense signal
     where a verifier gives one number per response. No gradient flows through it.
     """

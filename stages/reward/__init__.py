@@ -6,7 +6,7 @@ because what it computes differs. The model is a sequence classifier with one ou
 head (`AutoModelForSequenceClassification`, `num_labels=heads`, 1 by default) initialised from the
 SFT model by default;
 chosen and rejected answers go through one forward pass and the loss is
-`-log sigmoid(r_chosen - r_rejected)`. Evaluation: pairwise accuracy (share of held-out pairs
+`-log sigmoid(r_chosen - r_rejected)` (`losses.py`, held to TRL's RewardTrainer by tests/test_reward_losses.py). Evaluation: pairwise accuracy (share of held-out pairs
 with r_chosen > r_rejected) and mean margin. With `heads: K` the classifier has K outputs, each a
 reward model of its own trained on a bootstrap resample of the pairs (`bootstrap_weights`), and
 evaluation reads their mean; PPO combines them conservatively (`training.ensemble_score`). Heads on
@@ -42,6 +42,7 @@ from pipeline import events
 from pipeline.errors import UserError
 from stages.common import train_loop
 from stages.common.deepspeed import TrainingConfig, train_check, without_sft
+from stages.reward.losses import bradley_terry_loss, lm_loss
 
 if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, not its types
     from pipeline.stage import StageContext
@@ -69,20 +70,7 @@ class RewardConfig(TrainingConfig):
         return self
 
 
-# --------------------------------------------------------------------------- pure helpers
-
-
-def bradley_terry_loss(r_chosen, r_rejected, weights=None):
-    """Mean of -log sigmoid(r_chosen - r_rejected): the pair's log-likelihood under Bradley-Terry.
-
-    Scores (B,) or (B, K) for K heads; with `weights` (the shape of the scores: each head's bootstrap
-    weights) it is the weighted mean over every (pair, head), sum(w * nll) / sum(w)."""
-    import torch.nn.functional as F
-
-    nll = -F.logsigmoid(r_chosen - r_rejected)
-    if weights is None:
-        return nll.mean()
-    return (nll * weights).sum() / weights.sum().clamp(min=1.0)
+# --------------------------------------------------------------------------- pure helpers (the losses: losses.py)
 
 
 def pair_key(chosen_ids, rejected_ids) -> int:
@@ -117,20 +105,6 @@ def collate(batch: dict, pad_id: int) -> dict:
     lm_mask, _ = pad(masks, 0)
     keys = [pair_key(c, r) for c, r in zip(batch["chosen_input_ids"], batch["rejected_input_ids"])]
     return {"input_ids": input_ids, "attention_mask": attention, "lm_mask": lm_mask, "pair_key": keys}
-
-
-def lm_loss(hidden, head_weight, input_ids, mask):
-    """Mean next-token negative log-likelihood over the tokens where `mask` is 1.
-
-    `hidden` (N, T, H) is the final (normed) hidden state; position t predicts token t + 1 through
-    `head_weight` (V, H), the same shift as a causal LM's labels.
-    """
-    import torch.nn.functional as F
-
-    logits = hidden[:, :-1].float() @ head_weight.float().T
-    nll = F.cross_entropy(logits.flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
-    m = mask[:, 1:].float().flatten()
-    return (nll * m).sum() / m.sum().clamp(min=1.0)
 
 
 def gold_signs(prompts, chosen, rejected, gold) -> list[int]:
