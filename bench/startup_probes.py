@@ -38,7 +38,7 @@ if {lean}:
     lean_imports()
     import_deepspeed()
 else:
-    from stages.common.upstream.torch_extensions import isolate_jit_builds
+    from pipeline.upstream.torch_extensions import isolate_jit_builds
     isolate_jit_builds()
     import deepspeed
 from transformers import LlamaForCausalLM

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.storage import sha256_file
+from pipeline.files import sha256_file
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PROJECT_PACKAGES = ("pipeline", "stages")

@@ -210,9 +210,9 @@ _LOCAL_SESSION: dict | None = None
 
 def _record_local_session() -> None:
     global _LOCAL_SESSION
-    from ray._private import worker
+    from pipeline.upstream.ray_private import global_node
 
-    node = worker._global_node
+    node = global_node()
     daemons = {kind: [info.process.pid for info in infos] for kind, infos in (node.all_processes or {}).items()}
     raylet = (daemons.get("raylet") or [None])[0]
     if raylet is None:  # connected to something ray.init did not start here: nothing of ours to end

@@ -17,8 +17,7 @@ else the process and its workers print (Ray, vLLM, DeepSpeed, MLflow, httpx, C++
 Why the file descriptors and not logging handlers: half of the noise never passes through Python's
 logging (Ray's C++ core, tqdm bars, prints), so the router points fds 1 and 2 at a pipe that it
 reads, and writes the console through duplicates of the original descriptors. Ray's forwarded
-worker output is taken from Ray's own dispatcher (`ray._private.ray_logging`, no public hook
-exists) in place of the handler that prints it, so lines keep the worker's name in the log file.
+worker output is taken from Ray's own dispatcher (no public hook exists: pipeline/upstream/ray_private.py) in place of the handler that prints it, so lines keep the worker's name in the log file.
 
 The console never blocks or fails the run. Everything this process and its children print passes
 through one pipe, so the thread that reads it (`Router._pump`) must never stop: a writer to a full
@@ -270,7 +269,7 @@ class Router:
     def capture_ray_logs(self) -> None:
         """Take over Ray's printing of forwarded worker output (call after every `ray.init`)."""
         try:
-            from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+            from pipeline.upstream.ray_private import global_worker_stdstream_dispatcher as dispatcher
         except ImportError:  # a Ray without the dispatcher: its own printing (to our pipe) still works
             return
         dispatcher.remove_handler("ray_print_logs")
@@ -287,7 +286,7 @@ class Router:
             prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}{'' if ip == data.get('localhost') else f', ip={ip}'}) "
             lines = data.get("lines", [])
             if data.get("pid") == "autoscaler":  # its status table every few seconds: keep only events, as Ray does
-                from ray._private.worker import filter_autoscaler_events
+                from pipeline.upstream.ray_private import filter_autoscaler_events
 
                 lines = list(filter_autoscaler_events(lines))
             run: list[str] = []  # library lines in a row: one `_library` call (a traceback, one notice)

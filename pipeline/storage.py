@@ -11,18 +11,17 @@ so are the rules that keep a result from being lost or taken when it is bad (doc
     ... the stage writes into work ...
     manifest = store.commit("sft", key, fields)   # manifest last; bucket, then disk, replaced whole
 
-Read top to bottom: files written whole or not at all and their hashes (memoised on size and mtime,
-so a multi-GB checkpoint is hashed once); the layout (spelled once); manifests (every file's size and
-SHA-256; a copy whose files do not match is damaged: a miss with its reason, never a hit); the store
-itself (lookup, pull, push, begin, commit: the bucket's copy replaced before run_dir's, run_dir's
-swapped in by `pipeline.swap` with no moment without a good copy). Storage errors are errors: only
+Read top to bottom (files written whole or not at all, and their memoised hashes, are pipeline/files.py's):
+the layout (spelled once); manifests (every file's size and SHA-256; a copy whose files do not match is
+damaged: a miss with its reason, never a hit); the store itself (lookup, pull, push, begin, commit: the
+bucket's copy replaced before run_dir's, run_dir's swapped in by `pipeline.swap` with no moment without a
+good copy). Storage errors are errors: only
 "no such object" reads as missing. What a worker receives is `pipeline.run_storage.RunStorage`.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -33,81 +32,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.bucket import ContentMismatch, ObjectStore, safe_relative  # noqa: F401 - ContentMismatch: what callers of pull catch
 from pipeline.errors import StorageError, UserError
+from pipeline.files import FingerprintCache, read_json, sha256_file, write_json_atomic
 from pipeline.swap import replace_dir
-
-# --------------------------------------------------------------------------- files, whole or not at all
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that readers see either the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-class FingerprintCache:
-    """Content hashes of raw input files, memoised by (size, mtime) so big checkpoints hash once."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.memo: dict[str, list] = {}
-        if path and path.is_file():
-            try:
-                self.memo = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.memo = {}
-
-    def file(self, path: Path) -> str:
-        st = path.stat()
-        key, stamp = str(path), [st.st_size, st.st_mtime_ns]
-        hit = self.memo.get(key)
-        if hit and hit[:2] == stamp:
-            return hit[2]
-        digest = sha256_file(path)
-        self.memo[key] = [*stamp, digest]
-        return digest
-
-    def paths(self, paths: list[Path]) -> dict[str, str]:
-        """{path: sha256} for files, expanding directories into their files."""
-        out = {}
-        for p in paths:
-            files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
-            for f in files:
-                out[str(f)] = self.file(f)
-        return out
-
-    def save(self) -> None:
-        if self.path:
-            write_json_atomic(self.path, self.memo)
-
 
 MANIFEST = "manifest.json"
 ARTIFACTS = "artifacts"

@@ -104,10 +104,10 @@ fi
 if [ "$EXTRA" = cpu ]; then
   # DeepSpeed builds its CPU ops (Adam, shared-memory allreduce) on first use: 100-140 s on 2 cores
   # inside the first training stage. Build them now, where the workers look for them (the venv's
-  # own directory, stages/common/upstream/torch_extensions.py: isolate_jit_builds).
+  # own directory, pipeline/upstream/torch_extensions.py: isolate_jit_builds).
   echo "setup: building DeepSpeed's CPU ops (a few minutes on 2 cores, once)"
   DS_ACCELERATOR=cpu "$VENV/bin/python" -c "
-from stages.common.upstream.torch_extensions import isolate_jit_builds
+from pipeline.upstream.torch_extensions import isolate_jit_builds
 isolate_jit_builds()
 from deepspeed.accelerator import get_accelerator
 for name in ('FusedAdamBuilder', 'ShareMemCommBuilder'):

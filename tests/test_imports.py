@@ -84,10 +84,9 @@ def test_no_import_cycles_among_the_project_modules():
 def test_stages_common_holds_only_what_two_or_more_stages_share():
     """A module used by one stage lives with that stage (stages/ppo/, stages/data/), not in common/. A stage
     uses a common module directly or through other common modules (sft and dpo reach the engines through
-    `common.evaluation`). The upstream room (stages/common/upstream/) is the exception: it is sorted by the library
-    whose defect it works around, so a workaround one stage needs still lives there, beside the others."""
+    `common.evaluation`)."""
     graph = _project_imports()
-    common = [m for m in graph if m.startswith("stages.common.") and not m.startswith("stages.common.upstream")]
+    common = [m for m in graph if m.startswith("stages.common.")]
     assert "stages.common.training" in common
 
     def reaches(m: str, module: str, seen: set) -> bool:

@@ -74,7 +74,7 @@ def test_lora_sft_trains_an_adapter_and_ends_merged_into_its_base(lora_run, trac
     import torch
 
     from stages.common import lora
-    from stages.common.upstream.deepspeed_loads import load_weights_only
+    from pipeline.upstream.deepspeed_loads import load_weights_only
 
     cfg, summary, _, _ = lora_run
     manifest, out = _outputs(summary, cfg, "sft")

@@ -45,7 +45,7 @@ def test_episodes_mask_the_environment_match_the_trainer_and_survive_tools_that_
     from stages.common.engines import EnginePool, EngineSpec, weights_to_numpy
     from stages.common.models import load_tokenizer
     from stages.ppo import rl
-    from stages.common.engines import EngineStalled
+    from stages.common.followed import EngineStalled
     from stages.ppo.episodes import STALL_GRACE_S, AgentEngine, EpisodeSpec, run_episodes
     from stages.ppo.rewards import import_root
     from stages.ppo.scoring import rollout_batch

@@ -217,7 +217,8 @@ def test_an_episodes_call_promises_a_tight_next_beat_whenever_the_users_code_may
 
 def test_an_engine_stalled_on_every_attempt_stops_the_stage_naming_the_environment_and_the_fix():
     from pipeline.errors import StageError
-    from stages.common.engines import EnginePool, EngineStalled
+    from stages.common.engines import EnginePool
+    from stages.common.followed import EngineStalled
     from stages.ppo.episodes import EpisodeSpec, retrying
 
     class Pool:  # EnginePool's retry, with engines that are always found dead (killed by the follower)

@@ -174,7 +174,7 @@ def test_deepspeed_jit_builds_go_to_this_environment_unless_the_user_chose_a_dir
     import sys
     from pathlib import Path
 
-    from stages.common.upstream.torch_extensions import isolate_jit_builds
+    from pipeline.upstream.torch_extensions import isolate_jit_builds
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
@@ -243,7 +243,7 @@ def test_every_deepspeed_checkpoint_load_path_is_weights_only_inside_the_guard(t
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from stages.common.upstream.deepspeed_loads import weights_only_loads
+    from pipeline.upstream.deepspeed_loads import weights_only_loads
 
     marker = tmp_path / "planted-code-ran"
     planted = tmp_path / "ckpt" / "mp_rank_00_model_states.pt"

@@ -1,4 +1,4 @@
-"""The upstream room (stages/common/upstream/; issue 69, item 4): each module works around one defect of a library
+"""The upstream room (pipeline/upstream/; issue 69, item 4): each module works around one defect of a library
 we pin, and each has a test here that FAILS when the defect is gone (or the private name it relies on has moved):
 that failure is the signal to remove the workaround, not to patch the test. The room is also the only place that
 patches a library or imports a private module, and each module says what it targets and which test guards it."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOM = ROOT / "stages" / "common" / "upstream"
+ROOM = ROOT / "pipeline" / "upstream"
 
 
 def _room_modules() -> list[Path]:
@@ -26,7 +26,7 @@ def _room_modules() -> list[Path]:
 def test_each_workaround_names_its_target_version_and_a_test_here_that_exists():
     tests_here = {node.name for node in ast.parse(Path(__file__).read_text()).body if isinstance(node, ast.FunctionDef)}
     index = (ROOM / "__init__.py").read_text()
-    assert len(_room_modules()) >= 8
+    assert len(_room_modules()) >= 9
     for path in _room_modules():
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         assert re.search(r"Targets: \w[\w ]* \d+\.\d+", doc), f"{path.name}: no 'Targets: <library> <version>'"
@@ -37,7 +37,7 @@ def test_each_workaround_names_its_target_version_and_a_test_here_that_exists():
 
 # What only the room may do: replace a library's function, call or override its private members, import its
 # private modules. Found by these spellings in pipeline/ and stages/ outside the room.
-_PATCHES = (r"\._internal\b", r"torch\.load\s*=", r"_register_sigint_handler", r"is_sklearn_available",
+_PATCHES = (r"\._internal\b", r"\._private\b", r"torch\.load\s*=", r"_register_sigint_handler", r"is_sklearn_available",
             r"_release_process_group_references", r"set_train_fn_utils", r"TORCH_EXTENSIONS_DIR")
 
 
@@ -104,12 +104,12 @@ def test_deepspeed_still_imports_mlflow():
 def test_deepspeed_still_keeps_its_world_group_after_torch_destroys_it():
     """deepspeed_groups.py: after torch's own destroy_process_group (Ray Train's local mode calls it), DeepSpeed's
     clone of the world group is still cached; the workaround releases it."""
-    code = ("import json\nfrom stages.common.upstream.torch_extensions import isolate_jit_builds\nisolate_jit_builds()\n"
+    code = ("import json\nfrom pipeline.upstream.torch_extensions import isolate_jit_builds\nisolate_jit_builds()\n"
             "import torch.distributed as dist\nimport deepspeed.comm\nfrom deepspeed.utils import groups\n"
             "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
             "deepspeed.comm.init_distributed(dist_backend='gloo', auto_mpi_discovery=False)\n"
             "groups._clone_world_group()\ndist.destroy_process_group()\nstale = groups._WORLD_GROUP is not None\n"
-            "from stages.common.upstream.deepspeed_groups import release_cached_groups\nrelease_cached_groups()\n"
+            "from pipeline.upstream.deepspeed_groups import release_cached_groups\nrelease_cached_groups()\n"
             "print(json.dumps({'stale': stale, 'released': groups._WORLD_GROUP is None}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
@@ -130,7 +130,7 @@ def test_ray_train_fit_still_registers_its_sigint_handler():
 def test_the_sigint_workaround_kills_each_controller_when_fit_returns_or_raises(monkeypatch):
     import ray
 
-    from stages.common.upstream.ray_train_sigint import controllers_ended
+    from pipeline.upstream.ray_train_sigint import controllers_ended
 
     killed = []
     monkeypatch.setattr(ray, "kill", killed.append)
@@ -152,7 +152,7 @@ def test_ray_train_local_mode_still_leaves_its_train_fn_utils_set():
     from ray.train.v2._internal.execution.local_mode.utils import LocalController
     from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils
 
-    from stages.common.upstream.ray_train_session import forget_train_session
+    from pipeline.upstream.ray_train_session import forget_train_session
 
     LocalController("upstream-probe").run(lambda: None)
     try:
@@ -171,7 +171,7 @@ def test_ray_serve_llm_still_lacks_public_names_for_what_serve_uses():
 
     import ray.serve.llm
 
-    from stages.common.upstream import ray_llm_private
+    from pipeline.upstream import ray_llm_private
 
     public = [ray.serve.llm, *(importlib.import_module(m.name)
                                for m in pkgutil.iter_modules(ray.serve.llm.__path__, "ray.serve.llm."))]
@@ -181,3 +181,23 @@ def test_ray_serve_llm_still_lacks_public_names_for_what_serve_uses():
         assert not exported, f"{attribute} is public in {exported}: import it from there, drop it from the room"
     with pytest.raises(AttributeError, match="no attribute"):
         ray_llm_private.not_a_name  # noqa: B018
+
+
+def test_ray_still_lacks_public_names_for_what_the_framework_uses():
+    """ray_private.py: every private name still imports from where the room says, and neither `ray` nor `ray.serve`
+    nor `ray.util` exports it; once one does, import it from there."""
+    import importlib
+
+    import ray
+    import ray.serve
+    import ray.util
+
+    from pipeline.upstream import ray_private
+
+    for name, (module, attribute) in ray_private.PRIVATE.items():
+        assert getattr(ray_private, name) is getattr(importlib.import_module(module), attribute)
+        exported = [m.__name__ for m in (ray, ray.serve, ray.util) if hasattr(m, attribute)]
+        assert not exported, f"{attribute} is public in {exported}: import it from there, drop it from the room"
+    from ray._private import worker
+
+    assert ray_private.global_node() is worker._global_node and not hasattr(ray, "_global_node")

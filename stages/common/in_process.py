@@ -99,7 +99,7 @@ def _process_group():
     finally:
         import deepspeed.comm
 
-        from stages.common.upstream.deepspeed_groups import release_cached_groups
+        from pipeline.upstream.deepspeed_groups import release_cached_groups
 
         if dist.is_initialized():
             deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's references to the group
@@ -130,8 +130,8 @@ def _driver_kept(env: dict[str, str]):
 
 
 def _forget_train_session() -> None:
-    """Ray Train's local mode leaves its train-function utilities set (stages/common/upstream/ray_train_session.py)."""
-    from stages.common.upstream.ray_train_session import forget_train_session
+    """Ray Train's local mode leaves its train-function utilities set (pipeline/upstream/ray_train_session.py)."""
+    from pipeline.upstream.ray_train_session import forget_train_session
 
     forget_train_session()
 

@@ -17,7 +17,7 @@ CPU an import burns is a second of somebody's start-up (bench/startup.py measure
 
 Both are measured in bench/RESULTS.md (start-up). They change what is imported, never what is computed. Each
 is an upstream defect worked around in its own module, with the version it targets and the test that says when
-it can go: stages/common/upstream/transformers_sklearn.py and deepspeed_mlflow.py.
+it can go: pipeline/upstream/transformers_sklearn.py and deepspeed_mlflow.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 def lean_imports() -> None:
     """Call first thing in a worker process, before transformers loads its generation utilities."""
-    from stages.common.upstream.transformers_sklearn import hide_sklearn
+    from pipeline.upstream.transformers_sklearn import hide_sklearn
 
     hide_sklearn()
 
@@ -34,8 +34,8 @@ def import_deepspeed():
     """DeepSpeed, imported lean, with its JIT-built ops looked for in the venv (`isolate_jit_builds`) and its
     accelerator chosen from the device Ray gave this process (`devices.set_accelerator`)."""
     from stages.common.devices import set_accelerator
-    from stages.common.upstream.deepspeed_mlflow import import_without_mlflow
-    from stages.common.upstream.torch_extensions import isolate_jit_builds
+    from pipeline.upstream.deepspeed_mlflow import import_without_mlflow
+    from pipeline.upstream.torch_extensions import isolate_jit_builds
 
     isolate_jit_builds()
     set_accelerator()

@@ -98,8 +98,8 @@ def fit(loop: Callable[[dict], None], loop_config: dict, tcfg: TrainingConfig, s
 
 def fit_and_end_controller(trainer):
     """`trainer.fit()`, with its TrainController ended when it returns, and Ctrl-C left to the pipeline
-    (why: stages/common/upstream/ray_train_sigint.py)."""
-    from stages.common.upstream.ray_train_sigint import controllers_ended
+    (why: pipeline/upstream/ray_train_sigint.py)."""
+    from pipeline.upstream.ray_train_sigint import controllers_ended
 
     workers = getattr(getattr(trainer, "scaling_config", None), "num_workers", "?")
     events.record_start("train_groups", detail=f"{workers} worker(s)")
@@ -357,7 +357,7 @@ def init_engine(model, ds_config: dict):
     deepspeed = import_deepspeed()
 
     from stages.common.deepspeed import for_device
-    from stages.common.upstream.deepspeed_loads import safe_checkpoint_loads
+    from pipeline.upstream.deepspeed_loads import safe_checkpoint_loads
     from stages.common.devices import process_device
 
     # Only what trains gets optimizer state (all of it, or a LoRA adapter and its score head); on a GPU torch's
@@ -403,7 +403,7 @@ def load_checkpoint(engine, directory: Path) -> None:
     unpickled by the allow-listed `weights_only` load (`upstream.deepspeed_loads.weights_only_loads`), whichever
     checkpoint engine the DeepSpeed config picked."""
     from stages.common import lora
-    from stages.common.upstream.deepspeed_loads import weights_only_loads
+    from pipeline.upstream.deepspeed_loads import weights_only_loads
 
     peft = lora.is_peft(engine.module)
     with weights_only_loads():

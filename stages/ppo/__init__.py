@@ -92,7 +92,7 @@ def raw_inputs(pcfg) -> list[Path]:
 
 def _latest(ckpt: Path, run_storage) -> dict | None:
     """The last checkpoint's record; with an object store, the bucket's when this machine has none."""
-    from pipeline.storage import read_json
+    from pipeline.files import read_json
 
     run_storage.pull_path(ckpt / "latest.json")
     latest = read_json(ckpt / "latest.json")
@@ -106,7 +106,7 @@ def _save(ckpt: Path, it: int, groups: dict, state: dict, run_storage) -> None:
     (and with an object store, pushed last)."""
     import ray
 
-    from pipeline.storage import write_json_atomic
+    from pipeline.files import write_json_atomic
 
     d = ckpt / f"iter_{it:05d}"
     ray.get([r for name, g in groups.items() for r in g.run("save", str(d / name))])

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import StageError
-from stages.common.engines import HEARTBEAT_S, RolloutEngine, follow, stalled
+from stages.common.engines import RolloutEngine
+from stages.common.followed import HEARTBEAT_S, follow, stalled
 from stages.ppo.environments import (Renderer, as_step, assemble, cap_output, environment_factory, parse_turn,
                                      tool_error)
 
@@ -58,7 +59,7 @@ class EpisodeSpec:
     path: str | None = None  # the sys.path entry a 'module:Class' environment is found under on the driver
 
 
-# A followed call's silences (stages/common/engines.py `follow`): while the user's code may run, the next
+# A followed call's silences (stages/common/followed.py): while the user's code may run, the next
 # beat is promised within the oldest call's remaining timeout + STALL_GRACE_S (+ 3 engine steps: a healthy
 # loop notices a timed-out call only after the step it is in); while only vLLM runs, within VLLM_SILENCE_S.
 STALL_GRACE_S = 10.0
@@ -121,7 +122,7 @@ class _Episode:
 def run_episodes(engines: list, prompt_parts: list, row_parts: list, sampling: dict, spec: EpisodeSpec,
                  log=print) -> list[list[dict]]:
     """Engine i runs the episodes of prompt_parts[i] (with row_parts[i]); per prompt a list of samples, in
-    order. The calls are followed (stages/common/engines.py `follow`): an engine stalled by the environment
+    order. The calls are followed (stages/common/followed.py): an engine stalled by the environment
     is killed (`EngineStalled`), one left running abandoned calls is replaced after its answer."""
     calls = [(e, e.episodes.remote(p, r, sampling, spec)) for e, p, r in zip(engines, prompt_parts, row_parts) if p]
     return [group for part in follow(calls, f"the environment {spec.name}", log) for group in part]

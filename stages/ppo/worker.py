@@ -63,7 +63,7 @@ class PPOWorker(Workhorse):
         lora (a `LoraSection` dict, or None: full fine-tuning), and storage (the run's `RunStorage`: where to
         pull the model from and push checkpoints to)."""
         from stages.common.startup import import_deepspeed, lean_imports
-        from stages.common.upstream.deepspeed_loads import safe_checkpoint_loads
+        from pipeline.upstream.deepspeed_loads import safe_checkpoint_loads
 
         t0 = time.time()
         # A frozen role that ZeRO-3 does not shard (reward model, reference of its own) needs no DeepSpeed: a plain

@@ -44,7 +44,7 @@ def __getattr__(name: str):
 
 @functools.cache
 def _local_model() -> type:
-    from stages.common.upstream.ray_llm_private import CallbackBase  # no public name (Ray 2.60)
+    from pipeline.upstream.ray_llm_private import CallbackBase  # no public name (Ray 2.60)
 
     class LocalModel(CallbackBase):
         """Serve LLM's start-up callback (`LLMConfig.callback_config`) for a model that is a directory
@@ -120,7 +120,7 @@ class LocalAdapters:
         self.paths, self.loaded = paths, {}
 
     async def load_model_from_config(self, lora_model_id: str, llm_config):
-        from stages.common.upstream.ray_llm_private import DiskMultiplexConfig, global_id_manager
+        from pipeline.upstream.ray_llm_private import DiskMultiplexConfig, global_id_manager
 
         if lora_model_id not in self.loaded:
             name = lora_model_id.partition(":")[2]
@@ -172,7 +172,7 @@ def ingress_app(api_key: str | None, limits: LimitsConfig, models: list[str], co
     browser's preflight, which carries no API key, is answered, and so are the guard's refusals)."""
     from starlette.middleware.cors import CORSMiddleware
 
-    from stages.common.upstream.ray_llm_private import ingress_init as init
+    from pipeline.upstream.ray_llm_private import ingress_init as init
 
     app = init()
     app.user_middleware = [m for m in app.user_middleware if not issubclass(m.cls, CORSMiddleware)]
@@ -201,7 +201,7 @@ def build_app(llm_cfg, api_key: str | None, limits: LimitsConfig, adapters: dict
     from ray.serve.llm import build_llm_deployment
     from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
-    from stages.common.upstream.ray_llm_private import to_model_metadata
+    from pipeline.upstream.ray_llm_private import to_model_metadata
 
     adapters = adapters or {}
     base = llm_cfg.model_id
@@ -234,7 +234,8 @@ def api_key(cfg: ServeConfig) -> str | None:
 def serve_running() -> bool:
     """Whether Ray Serve already runs on this Ray cluster (its controller actor exists)."""
     import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    from pipeline.upstream.ray_private import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     try:
         ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)

@@ -144,7 +144,7 @@ class Colocated:
 
     def kill_engine(self, index: int) -> None:
         """Kill rank `index` (its engine lives in it) and return once Ray reports it dead."""
-        from stages.common.engines import kill_engine
+        from stages.common.followed import kill_engine
 
         kill_engine(self.ranks_group.actors[index])
 

@@ -10,6 +10,8 @@ workaround can be removed (the defect is gone, or the private name it relies on 
     ray_train_sigint.py      Ray Train's fit keeps its controller alive in a SIGINT handler and swallows Ctrl-C
     ray_train_session.py     Ray Train's local mode leaves its train-function utilities set
     ray_llm_private.py       Ray Serve LLM's names with no public export (ray.llm._internal), imported here only
+    ray_private.py           Ray core's and Serve's names with no public export (ray._private), imported here only
 
 Nothing outside this folder patches a library or imports its private modules (tests/test_upstream.py checks it).
+It sits in pipeline/ so that the framework and the stages both reach it; it names no stage.
 """
