@@ -259,3 +259,38 @@ def test_every_module_declares_only_known_start_kinds():
                 declared = ast.literal_eval(node.value)
                 assert set(declared) <= set(START_KINDS), (path.name, declared)
                 assert all(isinstance(v, int) and v >= 0 for v in declared.values()), (path.name, declared)
+
+
+# --------------------------------------------------------------------------- which tests cover a change to each folder
+# The rows of docs/development.md's table: every source folder, and the single-file stages.
+FOLDERS = ("pipeline/", "pipeline/upstream/", "stages/common/", "stages/data/", "stages/dpo/", "stages/ppo/",
+           "stages/reward/", "stages/serve/", "stages/tune/", "stages/batch_infer.py", "stages/compare.py",
+           "stages/model.py", "stages/sft.py", "configs/", "scripts/")
+TABLE_START, TABLE_END = "<!-- covers table (tests/test_tiers.py) -->", "<!-- end of the covers table -->"
+
+
+def coverage_table() -> str:
+    """docs/development.md's table, from the tier declarations in the files: for each folder, the tiered test
+    modules whose `covers` reach into it (a covered path inside the folder, or a covered folder holding it)."""
+    modules: dict[str, set[str]] = {folder: set() for folder in FOLDERS}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for call in _tier_calls(path):
+            covers = next((ast.literal_eval(k.value) for k in call.keywords if k.arg == "covers"), ())
+            for folder in FOLDERS:
+                if any(c.startswith(folder) or (c.endswith("/") and folder.startswith(c)) for c in covers):
+                    modules[folder].add(path.name)
+    rows = ["| a change to | runs, besides the base tier (every test without a tier, on every change) |", "|---|---|"]
+    rows += [f"| `{folder}` | {', '.join(f'`{m}`' for m in sorted(found)) or 'the base tier alone'} |"
+             for folder, found in modules.items()]
+    return "\n".join(rows)
+
+
+def test_the_development_guide_says_which_tests_cover_a_change_to_each_folder():
+    """The table is the tier declarations' own reading, so it cannot drift from them; on a mismatch, paste this."""
+    guide = (ROOT / "docs" / "development.md").read_text()
+    assert TABLE_START in guide and TABLE_END in guide, f"docs/development.md lacks {TABLE_START}"
+    written = guide.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
+    assert written == coverage_table(), "docs/development.md's covers table is stale; it should read:\n" + coverage_table()
+    every_source = {p.relative_to(ROOT).parts[0] + "/" + p.relative_to(ROOT).parts[1] for p in ROOT.glob("stages/*")
+                    if not p.name.startswith("_") and p.name != "__pycache__"}
+    assert {s + ("/" if (ROOT / s).is_dir() else "") for s in every_source} <= set(FOLDERS)
