@@ -284,7 +284,8 @@ class Router:
         try:
             who = data.get("actor_name") or data.get("task_name") or ""
             ip = data.get("ip")
-            prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}{'' if ip == data.get('localhost') else f', ip={ip}'}) "
+            prefix = (f"({who + ' ' if who else ''}pid={data.get('pid')}"
+                      f"{'' if ip == data.get('localhost') else f', ip={ip}'}) ")
             lines = data.get("lines", [])
             if data.get("pid") == "autoscaler":  # its status table every few seconds: keep only events, as Ray does
                 from ray._private.worker import filter_autoscaler_events
