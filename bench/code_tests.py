@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 # Scores every (kind, answer) of the corpus once in a fresh process of the checkout given: one JSON line of
-# {category: {row index: seconds}}, the scores alike, and {category: rows refused}. The corpus is read from this checkout (plain data).
+# {category: {row index: seconds}}, the scores alike, and {category: rows refused}. The corpus is read from this
+# checkout (plain data).
 WORKER = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])

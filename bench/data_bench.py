@@ -84,14 +84,16 @@ def main() -> None:
     from stages.common import tasks
 
     cfg = load_config(ROOT / "configs" / "recipes" / "verifier.yaml", overrides)
-    rows = {"sft": tasks.sft_rows(n_sft, cfg.seed, cfg.task), "preference": tasks.preference_rows(n_pref, cfg.seed, cfg.task),
+    rows = {"sft": tasks.sft_rows(n_sft, cfg.seed, cfg.task),
+            "preference": tasks.preference_rows(n_pref, cfg.seed, cfg.task),
             "prompts": tasks.prompt_rows(n_prompts, cfg.seed, cfg.task)}
     tokenizer = next((run_dir / "artifacts" / "model").glob("*/model"))
     t0 = time.time()
     written = single_process(rows, str(tokenizer), cfg.stages.data, cfg.seed, run_dir / "single")
     single_s = time.time() - t0
 
-    ray_written = sum(manifest["metrics"][f"{k}_{s}_rows"] for k in ("sft", "preference", "prompts") for s in ("train", "eval"))
+    ray_written = sum(manifest["metrics"][f"{k}_{s}_rows"] for k in ("sft", "preference", "prompts")
+                      for s in ("train", "eval"))
     print(f"""
 ### Data stage, {n_in} raw rows ({n_sft} sft, {n_pref} preference, {n_prompts} prompts), {time.strftime('%Y-%m-%d')}
 

@@ -79,7 +79,8 @@ def row(seed: int, method: str, summary: dict) -> dict:
     rl, entry = manifest_metrics(summary, "ppo")
     wall = entry["duration_s"] if entry["status"] == "miss" else None
     points = curve(summary, entry) if entry.get("mlflow_run_id") else []
-    return {"train_minutes": points[-1][0] if points else None, "curve": points, "seed": seed, "method": method, "eval_prompts": int(rl["eval_prompts"]),
+    return {"train_minutes": points[-1][0] if points else None, "curve": points, "seed": seed, "method": method,
+            "eval_prompts": int(rl["eval_prompts"]),
             "sampled_before": rl["eval_sampled_accuracy_before"], "sampled_after": rl["eval_sampled_accuracy"],
             "sampled_p": rl["eval_sampled_accuracy_sign_test_p"], "gold_winrate": rl.get("gold_winrate"),
             "gold_winrate_p": rl.get("gold_winrate_p"), "minutes": wall / 60 if wall else None, "wall_s": wall,
@@ -91,7 +92,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "full.yaml")
     ap.add_argument("--methods", nargs="+", default=["distill", "grpo"], choices=["distill", "grpo", "grpo+distill"],
-                    help="the runs after the teacher's (its row is printed every time; a cached run's minutes are empty)")
+                    help="the runs after the teacher's (its row is printed every time; a cached run's minutes "
+                         "are empty)")
     ap.add_argument("--iterations", type=int, default=30, help="ppo iterations of the distill and grpo runs")
     ap.add_argument("--teacher-overrides", nargs="+", default=[], metavar="KEY=VALUE",
                     help="config overrides of the teacher's run only, e.g. stages.sft.epochs=9: a stronger teacher "

@@ -44,7 +44,8 @@ def row(seed: int, summary: dict) -> dict:
     manifest = json.loads((Path(entry["artifact"]) / "manifest.json").read_text())
     curve = pairs_curve(summary["tracking_uri"], entry["mlflow_run_id"])
     return {
-        "seed": seed, "loss": manifest["components"]["config"]["stages.dpo"]["loss"], "pairs_accuracy_start": curve[0][1] if curve else None,
+        "seed": seed, "loss": manifest["components"]["config"]["stages.dpo"]["loss"],
+        "pairs_accuracy_start": curve[0][1] if curve else None,
         "pairs_accuracy": m["eval_reward_accuracy"], "pairs_margin": m["eval_reward_margin"],
         "pairs_curve": curve, "eval_prompts": int(m["eval_prompts"]),
         "greedy_before": m["eval_accuracy_before"], "greedy_after": m["eval_accuracy"],
@@ -77,7 +78,8 @@ def main() -> None:
         rows.append(row(seed, summary))
         r = rows[-1]
         print(f"[seed {seed}] pairs {fmt(r['pairs_accuracy_start'])} -> {fmt(r['pairs_accuracy'])}; greedy "
-              f"{fmt(r['greedy_before'])} -> {fmt(r['greedy_after'])} (p {fmt(r['greedy_p'], 2)}) on {r['eval_prompts']}",
+              f"{fmt(r['greedy_before'])} -> {fmt(r['greedy_after'])} (p {fmt(r['greedy_p'], 2)}) on "
+              f"{r['eval_prompts']}",
               file=sys.stderr, flush=True)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
@@ -89,7 +91,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['seed']} | {r['loss']} | {fmt(r['pairs_accuracy_start'])} → {fmt(r['pairs_accuracy'])} | "
               f"{r['eval_prompts']} | {fmt(r['greedy_before'])} → {fmt(r['greedy_after'])} | {r['greedy_up']} / "
-              f"{r['greedy_down']} | {fmt(r['greedy_p'], 2)} | {fmt(r['sampled_before'])} → {fmt(r['sampled_after'])} | "
+              f"{r['greedy_down']} | {fmt(r['greedy_p'], 2)} | {fmt(r['sampled_before'])} → "
+              f"{fmt(r['sampled_after'])} | "
               f"{fmt(r['sampled_p'], 2)} | {fmt(r['dpo_s'], 0)} | {fmt(r['wall_s'], 0)} |")
 
 

@@ -65,7 +65,8 @@ def run_pipeline(config: Path, run_dir: Path, seed: int, algorithm: str | None, 
     except json.JSONDecodeError:
         raise SystemExit(f"seed {seed} {algorithm}: the pipeline printed no JSON summary (exit {proc.returncode})")
     if proc.returncode != 0:
-        raise SystemExit(f"seed {seed} {algorithm}: the pipeline failed (exit {proc.returncode}): {summary.get('error')}")
+        raise SystemExit(f"seed {seed} {algorithm}: the pipeline failed (exit {proc.returncode}): "
+                         f"{summary.get('error')}")
     summary["invocation_s"], summary["peak_mem_gib"] = time.time() - t0, peak - before
     return summary
 
@@ -83,7 +84,8 @@ def row(seed: int, algorithm: str, summary: dict) -> dict:
         "seed": seed, "algorithm": algorithm, "eval_prompts": int(rl["eval_prompts"]),
         "greedy_before": rl["eval_accuracy_before"], "greedy_after": rl["eval_accuracy"],
         "sampled_before": rl["eval_sampled_accuracy_before"], "sampled_after": rl["eval_sampled_accuracy"],
-        "sampled_up": int(rl["eval_sampled_accuracy_improved"]), "sampled_down": int(rl["eval_sampled_accuracy_worsened"]),
+        "sampled_up": int(rl["eval_sampled_accuracy_improved"]),
+        "sampled_down": int(rl["eval_sampled_accuracy_worsened"]),
         "sampled_p": rl["eval_sampled_accuracy_sign_test_p"], "rm_accuracy": rm["eval_accuracy"],
         "kl_max": rl["kl_max"], "wall_s": entry["duration_s"] if entry["status"] == "miss" else None,
         # beyond the required keys: the greedy test, the training curve and the SFT stage's own score

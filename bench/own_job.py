@@ -36,7 +36,8 @@ def row(seed: int, summary: dict) -> dict:
         "stages_run": [s["name"] for s in summary["stages"] if s["status"] == "miss"],
         "wall_s": summary["invocation_s"],
         # beyond the required keys
-        "sampled_up": int(rl["eval_sampled_accuracy_improved"]), "sampled_down": int(rl["eval_sampled_accuracy_worsened"]),
+        "sampled_up": int(rl["eval_sampled_accuracy_improved"]),
+        "sampled_down": int(rl["eval_sampled_accuracy_worsened"]),
         "greedy_before": rl["eval_accuracy_before"], "greedy_after": rl["eval_accuracy"],
         "greedy_p": rl["eval_accuracy_sign_test_p"], "rule_reward_last": rl.get("rule_reward_mean"),
         "rule_timeouts": rl.get("rule_timeouts"), "rule_errors": rl.get("rule_errors"),
@@ -68,7 +69,8 @@ def main() -> None:
             args.json.write_text(json.dumps(rows, indent=2))
     print(f"# bench/own_job.py, {time.strftime('%Y-%m-%d')}, {time.time() - t0:.0f} s in all")
     print(f"# command: {' '.join(['.venv/bin/python', 'bench/own_job.py', *sys.argv[1:]])}")
-    print("| seed | held-out | greedy base → SFT | sampled before → after RL | up / down | p | greedy RL | stages run | wall s |")
+    print("| seed | held-out | greedy base → SFT | sampled before → after RL | up / down | p | greedy RL | stages run "
+          "| wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['seed']} | {r['eval_prompts']} | {fmt(r['base_greedy'])} → {fmt(r['sft_greedy'])} | "

@@ -78,7 +78,8 @@ def main() -> None:
         tok = models.load_tokenizer(d)
         rows = rows_of(cfg, args.rows, d)
     plain = [{"input_ids": ids, "loss_mask": mask} for ids, mask in rows]
-    packed = [p for i in range(0, len(rows), data.batch_size) for p in pack_rows(rows[i : i + data.batch_size], data.max_len)]
+    packed = [p for i in range(0, len(rows), data.batch_size)
+              for p in pack_rows(rows[i : i + data.batch_size], data.max_len)]
     per_row = round(len(plain) / len(packed))  # conversations per packed row
     modes = {"unpacked": micro_batches(plain, sft.micro_batch_size, tok.pad_token_id),
              "packed": micro_batches(packed, sft.micro_batch_size, tok.pad_token_id),
@@ -121,20 +122,25 @@ def main() -> None:
     ratio = out["packed"]["tokens_per_s"] / out["unpacked"]["tokens_per_s"]
     n_params = models.count_parameters(model)
     lines = "\n".join(
-        f"| {m} | {o['rows']} | {o['micro_rows']} | {o['width']:.0f} | {o['tokens_per_micro']:.0f} | {o['padding']:.1%} | "
+        f"| {m} | {o['rows']} | {o['micro_rows']} | {o['width']:.0f} | {o['tokens_per_micro']:.0f} | "
+        f"{o['padding']:.1%} | "
         f"{o['tokens_per_s']:.0f} | {o['tokens_per_s'] / out['unpacked']['tokens_per_s']:.2f}x |"
         for m, o in out.items())
     print(f"""
-### SFT packing, {args.config}, {len(rows)} conversations, {n_params / 1e6:.2f}M-parameter LLaMA, {time.strftime('%Y-%m-%d')}
+### SFT packing, {args.config}, {len(rows)} conversations, {n_params / 1e6:.2f}M-parameter LLaMA, \
+{time.strftime('%Y-%m-%d')}
 
-stages.sft.micro_batch_size {sft.micro_batch_size}, max_len {data.max_len}, {out['packed']['steps']} measured steps per mode
+stages.sft.micro_batch_size {sft.micro_batch_size}, max_len {data.max_len}, {out['packed']['steps']} measured steps \
+per mode
 
-| rows | rows in all | rows per micro-batch | mean width | real tokens per micro-batch | padding | real tokens/s | vs unpacked |
+| rows | rows in all | rows per micro-batch | mean width | real tokens per micro-batch | padding | real tokens/s | \
+vs unpacked |
 | --- | --- | --- | --- | --- | --- | --- | --- |
 {lines}
 
 packed / unpacked real tokens/s: {ratio:.2f}x at {sft.micro_batch_size} rows per micro-batch; \
-{out['packed']['tokens_per_s'] / out[f'unpacked, {per_row}x rows']['tokens_per_s']:.2f}x against unpacked micro-batches \
+{out['packed']['tokens_per_s'] / out[f'unpacked, {per_row}x rows']['tokens_per_s']:.2f}x against unpacked \
+micro-batches \
 of {per_row * sft.micro_batch_size} rows (as many conversations)
 """)
 

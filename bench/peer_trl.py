@@ -91,14 +91,16 @@ def ppo_overrides(steps: int, new_tokens: int) -> list[str]:
 def summarise(t0: float, step_ends: list[float], first_begin: float, end: float, rewards: list[float]) -> dict:
     gaps = [b - a for a, b in zip(step_ends, step_ends[1:])]  # step i's time = end(i) - end(i-1), i >= 2
     return {"per_step_s": statistics.median(gaps) if gaps else None, "startup_s": first_begin - t0,
-            "wall_s": end - t0, "reward_first": statistics.fmean(rewards[:5]), "reward_last": statistics.fmean(rewards[-5:]),
+            "wall_s": end - t0, "reward_first": statistics.fmean(rewards[:5]),
+            "reward_last": statistics.fmean(rewards[-5:]),
             "steps": len(step_ends), "rewards": rewards}
 
 
 def run_ours(run_dir: Path, size_args: list[str], steps: int, new_tokens: int, extra: list[str]) -> dict:
     from mlflow.tracking import MlflowClient
 
-    cmd = pipeline_cmd(run_dir, size_args, "--only", "ppo", "--force", "ppo", "--json", *ppo_overrides(steps, new_tokens),
+    cmd = pipeline_cmd(run_dir, size_args, "--only", "ppo", "--force", "ppo", "--json",
+                       *ppo_overrides(steps, new_tokens),
                        *extra)
     print(f"  ours: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.time()
@@ -211,8 +213,10 @@ def table(results: list[dict]) -> str:
     for r in results:
         for who in ("ours", "trl"):
             x = r[who]
-            lines.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['new_tokens']} | {who} | {x['per_step_s']:.3f} | "
-                         f"{x['startup_s']:.1f} | {x['wall_s']:.1f} | {x['reward_first']:.3f} → {x['reward_last']:.3f} |")
+            lines.append(f"| {r['size']} | {r['params'] / 1e6:.1f}M | {r['new_tokens']} | {who} | "
+                         f"{x['per_step_s']:.3f} | "
+                         f"{x['startup_s']:.1f} | {x['wall_s']:.1f} | {x['reward_first']:.3f} → "
+                         f"{x['reward_last']:.3f} |")
         o, t = r["ours"], r["trl"]
         lines.append(f"| {r['size']} | | | **TRL / ours** | **{ratio(t['per_step_s'], o['per_step_s'])}** | "
                      f"**{ratio(t['startup_s'], o['startup_s'])}** | **{ratio(t['wall_s'], o['wall_s'])}** | |")
@@ -252,7 +256,8 @@ def main() -> None:
                   "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k not in ("ours", "trl")} | {
-            who: {k: v for k, v in (result[who] or {}).items() if k not in ("rewards", "runs")} for who in ("ours", "trl")}),
+            who: {k: v for k, v in (result[who] or {}).items() if k not in ("rewards", "runs")}
+            for who in ("ours", "trl")}),
             file=sys.stderr, flush=True)
         if args.json:
             done = {r["size"] for r in results}

@@ -33,8 +33,9 @@ over 64 sequences, chosen then rejected), i.e. 2 accumulated micro-batches per s
 The pairs in file order (TRL `train_sampling_strategy="sequential"`), so step k sees the same 64 pairs on both
 sides. lr 1e-4 constant from the first step (no warm-up; the first run of this bench found that our
 `lr_schedule: constant` with `warmup_steps: 0` trained its first steps at lr 0, 0, 5e-5, DeepSpeed's WarmupLR
-starting from its floor; `stages.common.deepspeed.lr_scheduler` now starts such a schedule at its peak), AdamW betas (0.9, 0.95), eps 1e-8, no weight decay (ours' fixed betas; TRL's set to
-them; TRL's AdamW is torch's fused one, its default), grad clip 1.0, loss sigmoid (DPO), beta 0.1, no label smoothing, fp32, CPU. The held-out
+starting from its floor; `stages.common.deepspeed.lr_scheduler` now starts such a schedule at its peak), AdamW
+betas (0.9, 0.95), eps 1e-8, no weight decay (ours' fixed betas; TRL's set to them; TRL's AdamW is torch's fused
+one, its default), grad clip 1.0, loss sigmoid (DPO), beta 0.1, no label smoothing, fp32, CPU. The held-out
 pairs are scored before the first step and after the last on both sides (our stage always does it; TRL
 `eval_on_start` + `eval_steps=N`, `prediction_loss_only`); our held-out task accuracy (vLLM) is off
 (`eval_prompts=0`). TRL saves no checkpoints (`save_strategy="no"`) and saves the model at the end; ours
@@ -113,7 +114,8 @@ def dpo_overrides(steps: int, workers: int, zero: int, reference: str) -> list[s
     p = "stages.dpo."
     return [f"{p}max_steps={steps}", f"{p}epochs=1", f"{p}batch_size={BATCH}", f"{p}micro_batch_size={MICRO}",
             f"{p}num_workers={workers}", f"{p}lr={LR}", f"{p}lr_schedule=constant", f"{p}warmup_steps=0",
-            f"{p}weight_decay=0.0", f"{p}grad_clip=1.0", f"{p}loss=dpo", f"{p}beta={BETA}", f"{p}label_smoothing=0.0", f"{p}sft_weight=0",
+            f"{p}weight_decay=0.0", f"{p}grad_clip=1.0", f"{p}loss=dpo", f"{p}beta={BETA}", f"{p}label_smoothing=0.0",
+            f"{p}sft_weight=0",
             f"{p}reference={reference}", f"{p}init_from=sft", f"{p}eval_prompts=0", f"{p}eval_every=100000",
             f"{p}checkpoint_every={steps}", f"{p}deepspeed.precision=fp32", f"{p}deepspeed.zero_stage={zero}",
             f"{p}deepspeed.activation_checkpointing=false"]
@@ -351,7 +353,8 @@ def table(r: dict) -> str:
     o, t = r["ours"], r["trl"]
     lines = [f"DPO, {r['params'] / 1e6:.2f}M parameters, {r['job']['steps']} steps of {BATCH} pairs (micro-batches "
              f"of {MICRO}), fp32, 2 cores" if r["params"] else "", "",
-             "| config | workers | ZeRO | reference | per step s | vs ours | start-up s | whole run s | loss first → last |",
+             "| config | workers | ZeRO | reference | per step s | vs ours | start-up s | whole run s | loss first → "
+             "last |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, (name, x, workers, zero, reference) in enumerate(configurations(r)):
         lines.append(f"| {name} | {workers} | {zero} | {reference} | {fmt(x['per_step_s'])} | "
@@ -425,7 +428,8 @@ def main() -> None:
     result = {
         "size": "default", "params": trl["params"] if trl else None, "ours": medians(runs["ours"]), "trl": trl,
         "ours_variants": {n: medians(runs[n]) for n in wanted if n in OURS_VARIANTS},
-        "trl_variants": {n.removeprefix("trl-"): medians(runs[n]) for n in wanted if n.startswith("trl-") and n in runs},
+        "trl_variants": {n.removeprefix("trl-"): medians(runs[n]) for n in wanted if n.startswith("trl-")
+                         and n in runs},
         "tokens": trl["tokens"] if trl else None,
         "job": {"steps": args.steps, "pairs_per_step": BATCH, "micro_batch_size": MICRO, "lr": LR,
                 "lr_schedule": "constant", "warmup_steps": 0, "adam_betas": list(BETAS), "adam_eps": EPS,

@@ -131,7 +131,8 @@ def main() -> None:
                 + mean_length(Path(outputs["data"]["preference_data"]) / "train", "rejected_input_ids"))
     sft_len = mean_length(Path(outputs["data"]["sft_data"]) / "train", "input_ids")
 
-    entry, hist = run_stage(args.run_dir, "ppo", f"stages.ppo.iterations={args.iterations}", "stages.ppo.eval_prompts=0",
+    entry, hist = run_stage(args.run_dir, "ppo", f"stages.ppo.iterations={args.iterations}",
+                            "stages.ppo.eval_prompts=0",
                             f"stages.ppo.checkpoint_every={args.iterations}")
     later = [i for i in range(len(hist["train_s"])) if hist["train_s"][i][0] > 1]  # iteration 1: warm-up
 
@@ -152,7 +153,8 @@ def main() -> None:
     table = [{"phase": f"ppo {name}", "seconds": s, "gflop": f / 1e9, "floor_s": f / flops_s} for name, (s, f) in
              phases.items()]
     table.append({"phase": "ppo sync", "seconds": median("sync_s"), "gflop": 0.0,
-                  "floor_s": sync_bytes / copy_rate(sync_bytes / 2**20), "note": f"{sync_bytes / 2**20:.1f} MiB copied"})
+                  "floor_s": sync_bytes / copy_rate(sync_bytes / 2**20),
+                  "note": f"{sync_bytes / 2**20:.1f} MiB copied"})
     table.append({"phase": "ppo iteration", "seconds": median("iteration_s"),
                   "gflop": sum(f for _, f in phases.values()) / 1e9,
                   "floor_s": sum(f for _, f in phases.values()) / flops_s})

@@ -197,7 +197,8 @@ def grpo(run_dir: Path, seed: int, overrides: list[str]) -> dict:
 
 def sampled(ppo: dict) -> dict:
     """PPO's (or GRPO's) held-out sampled accuracy before and after, with the sign test's split and p."""
-    return {"sampled_before": ppo.get("eval_sampled_accuracy_before"), "sampled_after": ppo.get("eval_sampled_accuracy"),
+    return {"sampled_before": ppo.get("eval_sampled_accuracy_before"),
+            "sampled_after": ppo.get("eval_sampled_accuracy"),
             "sampled_up": ppo.get("eval_sampled_accuracy_improved"),
             "sampled_down": ppo.get("eval_sampled_accuracy_worsened"),
             "sampled_p": ppo.get("eval_sampled_accuracy_sign_test_p")}

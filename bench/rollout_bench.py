@@ -149,7 +149,8 @@ def iteration_split(args) -> dict[str, float]:
                  "stages.reward.max_steps=1", f"stages.ppo.iterations={args.iterations}",
                  "stages.ppo.eval_prompts=0", f"stages.ppo.checkpoint_every={args.iterations}",
                  "mlflow.experiment=bench"]
-    subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/recipes/verifier.yaml", *overrides], cwd=ROOT, check=True,
+    subprocess.run([sys.executable, "-m", "pipeline", "run", "configs/recipes/verifier.yaml", *overrides], cwd=ROOT,
+                   check=True,
                    capture_output=True)
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     exp = client.get_experiment_by_name("bench")
@@ -211,7 +212,8 @@ def main() -> None:
         f"| {m} | {hf[m][1]} / {vl[m][1]} | {hf[m][0]:.0f} | {vl[m][0]:.0f} | **{vl[m][0] / hf[m][0]:.2f}x** |"
         for m in lengths)
     out = f"""
-### {time.strftime('%Y-%m-%d')}, {n_params:.1f}M-parameter LLaMA ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}), {args.prompts} prompts of 8-48 tokens x n={args.n}
+### {time.strftime('%Y-%m-%d')}, {n_params:.1f}M-parameter LLaMA ({cfg.num_hidden_layers} layers, \
+hidden {cfg.hidden_size}), {args.prompts} prompts of 8-48 tokens x n={args.n}
 
 Generation (temperature 1, top-p 1), {args.engines} vLLM engines (1 CPU each) vs HF `generate` ({args.engines} threads):
 
@@ -234,7 +236,8 @@ PPO iteration at this size (the ppo settings of configs/recipes/verifier.yaml; m
 
 | generate s | score s | train s | sync s | iteration s | sync share | generation tokens/s |
 | --- | --- | --- | --- | --- | --- | --- |
-| {split['generate_s']:.2f} | {split['score_s']:.2f} | {split['train_s']:.2f} | {split['sync_s']:.2f} | {split['iteration_s']:.2f} | **{share:.1%}** | {split['gen_tokens_per_s']:.0f} |
+| {split['generate_s']:.2f} | {split['score_s']:.2f} | {split['train_s']:.2f} | {split['sync_s']:.2f} | \
+{split['iteration_s']:.2f} | **{share:.1%}** | {split['gen_tokens_per_s']:.0f} |
 """
     print(out)
 

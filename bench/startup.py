@@ -6,9 +6,9 @@
 
 Start-up is a stage's fixed cost: from the moment its `run()` begins to its first optimizer step
 (sft, reward, dpo), its first iteration (ppo) or its first tokenized row (data), held-out evaluations
-before it not counted (they scale with the prompts a config asks for). The data stage runs whole. Every stage measures it itself (`pipeline.events
-.StartupClock`) and records it in its manifest and MLflow run (`startup_s`, `startup_<part>_s`);
-this script runs the stages and reads those figures back.
+before it not counted (they scale with the prompts a config asks for). The data stage runs whole. Every stage
+measures it itself (`pipeline.events.StartupClock`) and records it in its manifest and MLflow run (`startup_s`,
+`startup_<part>_s`); this script runs the stages and reads those figures back.
 
 1. Prepare, untimed and cached like any run, in `--run-dir`: the default's model, data, a short SFT
    and reward model (`max_steps=2`: start-up does not depend on the weights' values), and the DPO
@@ -86,7 +86,8 @@ def measure(stage: str, run_dir: Path) -> dict:
                 "wall_s": entry["duration_s"], "config": str(CONFIG[stage].relative_to(ROOT))}
     clock = {k.removeprefix("startup_").removesuffix("_s"): v for k, v in metrics.items()
              if k.startswith("startup_") and k not in ("startup_s", "startup_processes")}
-    parts_order = ("driver", "ray", "read", "count", "dedupe", "workers", "imports", "model", "deepspeed", "reference", "restore", "roles",
+    parts_order = ("driver", "ray", "read", "count", "dedupe", "workers", "imports", "model", "deepspeed", "reference",
+                   "restore", "roles",
                    "engines", "data", "evaluation", "reference_precompute")
     parts = {k: clock[k] for k in parts_order if k in clock}
     details = {k: v for k, v in clock.items() if k not in parts}

@@ -30,7 +30,8 @@ def measures(summary: dict) -> dict:
     return {
         "eval_prompts": int(m["eval_prompts"]),
         "sampled_before": m["eval_sampled_accuracy_before"], "sampled_after": m["eval_sampled_accuracy"],
-        "sampled_up": int(m["eval_sampled_accuracy_improved"]), "sampled_down": int(m["eval_sampled_accuracy_worsened"]),
+        "sampled_up": int(m["eval_sampled_accuracy_improved"]),
+        "sampled_down": int(m["eval_sampled_accuracy_worsened"]),
         "sampled_p": m["eval_sampled_accuracy_sign_test_p"],
         "greedy_before": m["eval_accuracy_before"], "greedy_after": m["eval_accuracy"],
         "greedy_p": m["eval_accuracy_sign_test_p"],

@@ -35,7 +35,8 @@ def plain_loop(run_dir: Path, steps: int, batch: int) -> float:
     from stages.sft import collate
 
     base = glob.glob(str(run_dir / "artifacts/model/*/model"))[0]
-    rows = pq.ParquetDataset(sorted(glob.glob(str(run_dir / "artifacts/data/*/sft/train/*.parquet")))).read().to_pylist()
+    rows = pq.ParquetDataset(
+        sorted(glob.glob(str(run_dir / "artifacts/data/*/sft/train/*.parquet")))).read().to_pylist()
     tok = load_tokenizer(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -74,9 +75,11 @@ def main() -> None:
         cmd = [sys.executable, "-m", "pipeline", "run", "configs/recipes/verifier.yaml", "--to", "sft", *common,
                f"stages.sft.deepspeed.zero_stage={zero}"]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-        manifest = json.loads(max((run_dir / "artifacts/sft").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime).read_text())
+        manifest = json.loads(max((run_dir / "artifacts/sft").glob("*/manifest.json"),
+                                  key=lambda p: p.stat().st_mtime).read_text())
         results[zero] = manifest["metrics"]
-    n_params = json.loads(next((run_dir / "artifacts/model").glob("*/manifest.json")).read_text())["metrics"]["num_parameters"]
+    n_params = json.loads(
+        next((run_dir / "artifacts/model").glob("*/manifest.json")).read_text())["metrics"]["num_parameters"]
     plain = plain_loop(run_dir, args.steps, 16)
     plain_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = "\n".join(

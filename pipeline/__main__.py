@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("config", type=Path, nargs="?" if optional else None,
                         help="pipeline YAML, e.g. configs/full.yaml" + (" (optional: defaults, and the tracking "
-                                                                        "store of MLFLOW_TRACKING_URI)" if optional else ""))
+                                                                        "store of MLFLOW_TRACKING_URI)" if optional
+                                                                        else ""))
         sp.add_argument("overrides", nargs="*", metavar="key.path=value", help="override a config value")
         return sp
 
@@ -101,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     for command in COMMANDS:  # the commands stages provide (pipeline.registry)
         module = importlib.import_module(command.module)
         if command.config == "none":
-            cp = sub.add_parser(command.name, help=command.help, description=getattr(module, "DESCRIPTION", command.help))
+            cp = sub.add_parser(command.name, help=command.help,
+                                description=getattr(module, "DESCRIPTION", command.help))
         else:
             cp = common(command.name, command.help, optional=command.config == "optional")
         module.add_arguments(cp)
@@ -311,7 +313,8 @@ def _command(args, console, state: dict) -> int:
     cached = sum(p.status == "hit" for p in summary["plan"])
     print_outcomes(cfg, args.config, summary, console, args.overrides)
     console.print(f"[bold green]done[/]: {ran} stage{'s' * (ran != 1)} run, {cached} cached; Ray "
-                  f"{'started' if summary['started_ray'] else 'not started'}; artifacts under {cfg.run_dir / 'artifacts'}")
+                  f"{'started' if summary['started_ray'] else 'not started'}; artifacts under "
+                  f"{cfg.run_dir / 'artifacts'}")
     return 0
 
 

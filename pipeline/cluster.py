@@ -63,10 +63,12 @@ def ensure_ray(ray_cfg, run_storage: RunStorage | None = None, log=lambda messag
             from pipeline.errors import UserError
 
             raise UserError(f"ray.address: cannot connect to the Ray cluster at {address!r} ({exc}); start it with "
-                            "`ray start --head`, fix ray.address / RAY_ADDRESS, or leave both empty for a local Ray") from None
+                            "`ray start --head`, fix ray.address / RAY_ADDRESS, or leave both empty for a local "
+                            "Ray") from None
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         log(f"joined the Ray cluster at {address}: {len(nodes)} node(s), "
-            f"{sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs, {sum(n['Resources'].get('GPU', 0) for n in nodes):g} GPUs")
+            f"{sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs, "
+            f"{sum(n['Resources'].get('GPU', 0) for n in nodes):g} GPUs")
         problem = tracking_uri and cluster_store_problem(tracking_uri, len(nodes))
         if problem:
             from pipeline.errors import UserError

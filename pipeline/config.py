@@ -172,7 +172,8 @@ def _stage_field(presence: str, settings: type[Section], doc: str) -> tuple[Any,
     return settings | None, Field(None, description=doc)
 
 
-def compose(stages: tuple[StageSpec, ...] = STAGES, sections: tuple[SectionSpec, ...] = SECTIONS) -> type[PipelineSettings]:
+def compose(stages: tuple[StageSpec, ...] = STAGES,
+            sections: tuple[SectionSpec, ...] = SECTIONS) -> type[PipelineSettings]:
     """The pipeline's config class from a registry: its own settings, the shared sections, then `stages` with
     one section per stage that has a config class. The framework names no stage (docs/architecture.md,
     "Adding a stage"); a test composes one with a toy stage added."""

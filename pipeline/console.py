@@ -283,7 +283,8 @@ class Router:
         try:
             who = data.get("actor_name") or data.get("task_name") or ""
             ip = data.get("ip")
-            prefix = f"({who + ' ' if who else ''}pid={data.get('pid')}{'' if ip == data.get('localhost') else f', ip={ip}'}) "
+            prefix = (f"({who + ' ' if who else ''}pid={data.get('pid')}"
+                      f"{'' if ip == data.get('localhost') else f', ip={ip}'}) ")
             lines = data.get("lines", [])
             if data.get("pid") == "autoscaler":  # its status table every few seconds: keep only events, as Ray does
                 from pipeline.upstream.ray_private import filter_autoscaler_events

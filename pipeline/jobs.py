@@ -235,5 +235,6 @@ def _info(address: str | None, job_id: str):
         return client(address).get_job_info(job_id)
     except RuntimeError as exc:
         if "404" in str(exc) or "does not exist" in str(exc):
-            raise UserError(f"no job {job_id!r} on {dashboard_address(address)}; list jobs with `ray job list`") from None
+            raise UserError(f"no job {job_id!r} on {dashboard_address(address)}; "
+                            "list jobs with `ray job list`") from None
         raise

@@ -69,7 +69,8 @@ def progress_line(task: str, unit: str, done: int, total: int | None, rate: floa
     """The plain (not a terminal) form: 'sft: step 6/12 (50%), 1.9 step/s, ETA 3s, loss 2.31'."""
     parts = [f"{task}: {unit} {done}/{total} ({100 * done / total:.0f}%)" if total else f"{task}: {done} {unit}s"]
     if rate is not None:
-        parts.append((f"{rate:.0f}" if rate >= 100 else f"{rate:.3g}") + f" {unit}/s" if rate >= 1 else f"{1 / rate:.3g} s/{unit}")
+        parts.append((f"{rate:.0f}" if rate >= 100 else f"{rate:.3g}") + f" {unit}/s" if rate >= 1
+                     else f"{1 / rate:.3g} s/{unit}")
     if eta is not None and total and done < total:
         parts.append(f"ETA {duration(eta)}")
     if note:

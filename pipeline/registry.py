@@ -87,28 +87,33 @@ STAGES: tuple[StageSpec, ...] = (
               outcomes=("{sft_train_rows:.0f} SFT rows", "{preference_train_rows:.0f} preference pairs",
                         "{prompts_train_rows:.0f} RL prompts"), ignores=("task.verifier",),
               settings="stages.data:DataConfig", presence="always", doc="The data stage (Ray Data)."),
-    StageSpec("sft", "stages.sft", "stages.sft", ("seed", "task.verifier"), ("base_model", "sft_data", "prompt_data"), ("sft_model",),
+    StageSpec("sft", "stages.sft", "stages.sft", ("seed", "task.verifier"), ("base_model", "sft_data", "prompt_data"),
+              ("sft_model",),
               "Ray Train + DeepSpeed ZeRO: supervised fine-tuning on assistant tokens",
               outcomes=("eval loss {eval_loss:.3f}",
                         "accuracy {base_accuracy:.3f} -> {accuracy:.3f} on {accuracy_prompts:.0f} prompts", STARTUP),
               settings="stages.sft:SFTConfig", presence="default", view=True,
               doc="The sft stage (Ray Train + DeepSpeed); null: no SFT, RL (and the reward model) start from the "
                   "base model."),
-    StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"), ("base_model", "sft_model", "preference_data"),
+    StageSpec("reward", "stages.reward", "stages.reward", ("seed", "task.preference"),
+              ("base_model", "sft_model", "preference_data"),
               ("reward_model",), "Ray Train + DeepSpeed ZeRO: Bradley-Terry reward model on preference pairs",
               outcomes=("pairwise accuracy {eval_accuracy:.3f}", "against gold {eval_accuracy_gold:.3f}", STARTUP),
               settings="stages.reward:RewardConfig", presence="default", view=True,
               doc="The reward stage (Ray Train + DeepSpeed); null: no reward model (RL on a rule reward alone; "
                   "PPO's critic then starts from the SFT model)."),
-    StageSpec("dpo", "stages.dpo", "stages.dpo", ("seed", "task.verifier"), ("base_model", "sft_model", "preference_data", "prompt_data"),
-              ("dpo_model",), "Ray Train + DeepSpeed ZeRO: DPO / IPO / SimPO / KTO on the preference pairs, no reward model",
+    StageSpec("dpo", "stages.dpo", "stages.dpo", ("seed", "task.verifier"),
+              ("base_model", "sft_model", "preference_data", "prompt_data"),
+              ("dpo_model",),
+              "Ray Train + DeepSpeed ZeRO: DPO / IPO / SimPO / KTO on the preference pairs, no reward model",
               outcomes=("implicit-reward accuracy {eval_reward_accuracy:.3f}",
-                        "accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out prompts "
-                        "(sign test p={eval_accuracy_sign_test_p:.3g})", STARTUP),
+                        "accuracy {eval_accuracy_before:.3f} -> {eval_accuracy:.3f} on {eval_prompts:.0f} held-out "
+                        "prompts (sign test p={eval_accuracy_sign_test_p:.3g})", STARTUP),
               settings="stages.dpo:DPOConfig", view=True,
               doc="The dpo stage (Ray Train + DeepSpeed): DPO, IPO, SimPO or KTO on the preference pairs, no reward "
                   "model; empty: no such stage. Serve its model with stages.serve.source: dpo_model."),
-    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"), ("sft_model", "reward_model", "prompt_data"),
+    StageSpec("ppo", "stages.ppo", "stages.ppo", ("seed", "task.preference", "task.verifier"),
+              ("sft_model", "reward_model", "prompt_data"),
               ("policy_model",), "vLLM rollout engines + DeepSpeed roles: PPO/GRPO on the reward, weights synced",
               outcomes=(PPO_OUTCOME, "gold win-rate {gold_winrate:.3f} against SFT (p={gold_winrate_p:.3g})",
                         # the eval_every curve, first point -> last (a template whose metrics are missing is left out)
@@ -131,13 +136,15 @@ STAGES: tuple[StageSpec, ...] = (
                   "registered or served; the serve and batch-infer commands still work, with this section's "
                   "defaults)."),
     # inputs: its source model, and the pipeline's prompts or reward model as configured (its `wire` hook)
-    StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed", "task.verifier"), (), ("predictions",),
+    StageSpec("batch_infer", "stages.batch_infer", "stages.batch_infer", ("seed", "task.verifier"), (),
+              ("predictions",),
               "Ray Data LLM: completions for a prompts dataset, scored, as Parquet",
               outcomes=("{rows:.0f} rows", "{rows_failed:.0f} failed"), settings="stages.batch_infer:BatchInferConfig",
               doc="The batch_infer stage (Ray Data LLM over a prompts dataset); empty: no such stage (the "
                   "batch-infer command still works)."),
     # reads, inputs and code: its target's (its `wire` hook); about: names the target
-    StageSpec("tune", "stages.tune", "stages.tune", ("seed",), (), ("best_config",), "Ray Tune: sweep {target}'s config, "
+    StageSpec("tune", "stages.tune", "stages.tune", ("seed",), (), ("best_config",),
+              "Ray Tune: sweep {target}'s config, "
               "every trial its real training, tracked in MLflow", outcomes=("{trials:.0f} trials",),
               settings="stages.tune:TuneConfig", doc="The tune stage (Ray Tune sweep over sft, reward, dpo or ppo); "
               "empty: no sweep. See docs/tune.md."),

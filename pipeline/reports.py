@@ -59,7 +59,8 @@ def json_summary(cfg, summary: dict, exit_code: int, error: str | None) -> dict:
             "artifact": str(out_dir) if manifest is not None or (status == "skip" and p.finished) else None,
             "outputs": {k: str(v) for k, v in storage.output_paths(manifest, out_dir).items()} if manifest else {},
             "mlflow_run_id": summary.get("run_ids", {}).get(name),
-            "outcomes": outcomes.headline(p.spec.outcomes, metrics), "outcome": outcomes.describe(p.spec.outcomes, metrics),
+            "outcomes": outcomes.headline(p.spec.outcomes, metrics),
+            "outcome": outcomes.describe(p.spec.outcomes, metrics),
         })
     return {"status": _OUTCOME.get(exit_code, "failed"), "exit_code": exit_code, "error": error,
             "run_dir": str(cfg.run_dir) if cfg else None, "tracking_uri": redact(cfg.tracking_uri) if cfg else None,

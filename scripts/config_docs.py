@@ -3,7 +3,8 @@
 The table sits between the BEGIN/END markers below; the page's text around them is kept as written.
 
     .venv/bin/python scripts/config_docs.py          # rewrite docs/configuration.md in place
-    .venv/bin/python scripts/config_docs.py --check  # exit 1 if docs/configuration.md is out of date (tests/test_config.py runs this)
+    .venv/bin/python scripts/config_docs.py --check  # exit 1 if docs/configuration.md is out of date
+                                                     # (tests/test_config.py runs this)
 """
 
 import sys

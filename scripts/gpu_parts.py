@@ -221,7 +221,8 @@ def main(argv: list[str]) -> int:
         batch = make_batch([r[:6] for r in rows], [r[6:] for r in rows], pad)  # the driver's: on the CPU
         old = worker.logprobs(batch, micro=2)
         assert old.device.type == "cpu", f"log-probs came back on {old.device}"
-        hp = {"epochs": 1, "micro": 2, "entropy_coef": 0.0, "kl_loss_coef": 0.0, "max_len": batch["response_ids"].shape[1],
+        hp = {"epochs": 1, "micro": 2, "entropy_coef": 0.0, "kl_loss_coef": 0.0,
+              "max_len": batch["response_ids"].shape[1],
               "tokens_per_row": 0.0, "agg": "bnpo", "clip_eps": 0.2, "clip_eps_high": 0.2, "level": "token",
               "kl_weighted": False}
         stats = worker.train_policy({**batch, "old_logprobs": old, "ref_logprobs": old,
@@ -280,7 +281,8 @@ def main(argv: list[str]) -> int:
                 "per_parameter_gathered_mb": round(max(sizes) / 2**20, 3),
                 "chunked_gathered_mb": round(max(chunk_sizes) / 2**20, 3), "chunks": len(chunk_sizes),
                 "whole_model_peak_mb": whole_mb, "per_parameter_peak_mb": per_mb, "chunked_peak_mb": chunk_mb,
-                "whole_model_s": round(t1 - t0, 3), "per_parameter_s": round(t2 - t1, 3), "chunked_s": round(t3 - t2, 3)}
+                "whole_model_s": round(t1 - t0, 3), "per_parameter_s": round(t2 - t1, 3),
+                "chunked_s": round(t3 - t2, 3)}
 
     parts.run("zero3_gather", zero3_gather)
     report = {"device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,

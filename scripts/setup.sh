@@ -15,7 +15,7 @@ PYTHON="${PYTHON:-python3}"
 VENV=.venv
 STAMP="$VENV/.installed"
 case "$PROFILE" in
-  dev) EXTRAS="$EXTRA,test,real,bench" ;;
+  dev) EXTRAS="$EXTRA,test,real,bench,dev" ;;
   image) EXTRAS="$EXTRA,real" ;;
   *) echo "setup: SETUP_PROFILE must be dev or image, not '$PROFILE'" >&2; exit 2 ;;
 esac

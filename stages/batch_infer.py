@@ -64,7 +64,8 @@ class BatchInferConfig(Section):
                                  "a directory of them or of Parquet shards, with one prompt per row, read as the data "
                                  "stage reads its sources (docs/data.md). Empty: the data stage's held-out prompts.")
     prompt_field: str = Field("prompt", min_length=1, description="Column holding the prompt text.")
-    answer_field: str = Field("answer", min_length=1, description="Column holding the reference answer (for the verifier).")
+    answer_field: str = Field("answer", min_length=1,
+                              description="Column holding the reference answer (for the verifier).")
     chat: bool = Field(True, description="Wrap each prompt as a user turn with the model's chat template; "
                        "false: complete the raw text.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM engine settings.")
@@ -326,7 +327,8 @@ def infer(cfg: BatchInferConfig, model_dir: Path, prompts: Path, out_dir: Path, 
         f"max {cfg.sampling.max_tokens} tokens, temperature {cfg.sampling.temperature})")
     ds = processor(cfg, model_dir, seed)(ds).map(result)
     if cfg.score.verifier:
-        ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field, "verifier": verifier}, batch_format="pandas",
+        ds = ds.map_batches(verified, fn_kwargs={"answer_field": cfg.answer_field, "verifier": verifier},
+                            batch_format="pandas",
                             batch_size=cfg.batch_size)
     if cfg.score.reward_model and reward_dir is not None:
         ds = ds.map_batches(RewardScorer, fn_constructor_args=(str(reward_dir), cfg.prompt_field),
@@ -402,7 +404,8 @@ def infer_registered(cfg, model: str, prompts: Path | None, output: Path | None,
         try:
             section = BatchInferConfig.model_validate({**section.model_dump(), "prompts": prompts})
         except ValidationError as exc:  # a usage error (exit 2), said as the config's errors are
-            raise UserError("--prompts: " + "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+            raise UserError("--prompts: "
+                            + "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
     if section.prompts is None:
         raise UserError("batch-infer: no prompts; pass --prompts FILE or set stages.batch_infer.prompts")
     output = (output or cfg.run_dir / "batch_infer" / time.strftime("%Y%m%d-%H%M%S")).absolute()

@@ -14,8 +14,8 @@ one of its stage runs. A pair whose held-out prompts differ, whose task verifier
 or a policy trained with an environment (multi-turn episodes: not compared here) is refused, naming why.
 
 The two policies are found by stages/common/runs.py (files and MLflow only; a distillation teacher is found
-the same way). Sections here: what the two share (prompts, task, reward model), answering (vLLM engines on Ray: the held-out
-evaluation's `engine_answers`), scoring, and the command.
+the same way). Sections here: what the two share (prompts, task, reward model), answering (vLLM engines on Ray:
+the held-out evaluation's `engine_answers`), scoring, and the command.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ if TYPE_CHECKING:  # annotations only: a stage's key covers the code it runs, no
 class SFTConfig(TrainingConfig):
     """The sft stage: the shared training fields plus evaluation settings."""
 
-    accuracy_prompts: int = Field(200, ge=0, description="Held-out prompts scored by the task verifier at the end (0: skip).")
+    accuracy_prompts: int = Field(200, ge=0,
+                                  description="Held-out prompts scored by the task verifier at the end (0: skip).")
     max_new_tokens: int = Field(24, ge=1, description="Tokens generated per held-out prompt when scoring accuracy.")
     accuracy_engine: Literal["hf", "vllm"] = Field(
         "hf", description="What generates the held-out answers: 'hf' (transformers `generate` in the driver: no "
@@ -175,7 +176,8 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
                         f"{cfg.batch_size}; lower stages.sft.batch_size or generate more data")
     result, tok = train_loop.train(
         Objective(), cfg, ctx, base, data, steps, lambda precision: f"training {steps} steps on {cfg.num_workers} "
-        f"worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_train} rows{describe(cfg.lora)})", clock)
+        f"worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_train} "
+        f"rows{describe(cfg.lora)})", clock)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, base, "causal")  # a LoRA adapter is merged into the base here
     prompts = read_rows(ctx.inputs["prompt_data"] / "eval", cfg.accuracy_prompts)
@@ -184,7 +186,8 @@ def run(cfg: SFTConfig, ctx: StageContext) -> dict[str, Path]:
         ctx.progress(f"scoring greedy answers on {len(prompts)} held-out prompts ({cfg.accuracy_engine})")
         if cfg.accuracy_engine == "vllm":
             ctx.ray()  # the engines are Ray actors; one worker trained without Ray (train_loop.train)
-            (base_acc, base_cut), (acc, cut) = (verified_share(*answers, prompts, verifier) for answers in engine_greedy(
+            (base_acc, base_cut), (acc, cut) = (verified_share(*answers, prompts, verifier)
+                                                for answers in engine_greedy(
                 [base, out], [r["prompt_ids"] for r in prompts], cfg.max_new_tokens, ctx.pipeline.seed, ctx.storage))
         else:
             (base_acc, base_cut), (acc, cut) = (greedy_accuracy(d, prompts, cfg.max_new_tokens, verifier)

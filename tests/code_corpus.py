@@ -150,11 +150,13 @@ MBPP = [
     ("assert math.isclose(f(), 0.3, rel_tol=1e-9)", "def f():\n    return 0.1 + 0.2", "def f():\n    return 0.31"),
     ("assert set(sim((3, 4, 5, 6), (5, 7, 4, 10))) == set((4, 5))",
      "def sim(a, b):\n    return tuple(set(a) & set(b))", "def sim(a, b):\n    return (4,)"),
-    ("assert list(g(3)) == [0, 1, 4]", "def g(n):\n    return (i * i for i in range(n))", "def g(n):\n    return [0, 1]"),
+    ("assert list(g(3)) == [0, 1, 4]", "def g(n):\n    return (i * i for i in range(n))",
+     "def g(n):\n    return [0, 1]"),
     ("assert sorted(g(3)) == ['0', '1', '2']", "def g(n):\n    return map(str, range(n))", "def g(n):\n    return 'x'"),
     ("assert chain([Pair(5, 24), Pair(15, 25)], 2) == 1",
      "class Pair:\n    def __init__(s, a, b):\n        s.a, s.b = a, b\ndef chain(ps, n):\n    return sum(p.b < 25 "
-     "for p in ps)", "class Pair:\n    def __init__(s, a, b):\n        s.a, s.b = a, b\ndef chain(ps, n):\n    return n"),
+     "for p in ps)",
+     "class Pair:\n    def __init__(s, a, b):\n        s.a, s.b = a, b\ndef chain(ps, n):\n    return n"),
     ("assert f(K) == 4", "def f(x):\n    return x * 2", "def f(x):\n    return x + 1"),
     ("assert f(1) == 2\nassert f(2) == 4\nassert f(3) != 5", "def f(x):\n    return x * 2", "def f(x):\n    return 2"),
     (["assert is_p(7)", "assert not is_p(4)", "assert is_p(3) == True"], "def is_p(n):\n    return n in (2, 3, 5, 7)",
@@ -167,23 +169,28 @@ MBPP = [
     ("assert f('hello world').startswith('hello')", "def f(s):\n    return s", "def f(s):\n    return s[::-1]"),
     ("x = f(3)\nassert x == 9", "def f(n):\n    return n * n", "def f(n):\n    return n + n"),
     ("assert all(f(i) == i * i for i in range(4))", "def f(n):\n    return n ** 2", "def f(n):\n    return n * 2"),
-    ("assert json.loads(to_json({'a': [1, 2]})) == {'a': [1, 2]}", "import json\ndef to_json(d):\n    return json.dumps(d)",
+    ("assert json.loads(to_json({'a': [1, 2]})) == {'a': [1, 2]}",
+     "import json\ndef to_json(d):\n    return json.dumps(d)",
      "import json\ndef to_json(d):\n    return json.dumps(list(d))"),
     ("assert decode(encode('hi')) == 'hi'", "def encode(s):\n    return s[::-1]\ndef decode(s):\n    return s[::-1]",
      "def encode(s):\n    return s.upper()\ndef decode(s):\n    return s"),
     ("assert math.isnan(f())", "def f():\n    return float('nan')", "def f():\n    return 0.0"),
     ("assert f(2 ** 20000) == 2 ** 20001", "def f(n):\n    return 2 * n", "def f(n):\n    return n"),
-    ("assert f() == [frozenset({1}), {2}]", "def f():\n    return [frozenset({1}), {2}]", "def f():\n    return [{1}, {2}]"),
+    ("assert f() == [frozenset({1}), {2}]", "def f():\n    return [frozenset({1}), {2}]",
+     "def f():\n    return [{1}, {2}]"),
     ("try:\n    f(-1)\n    assert False\nexcept ValueError:\n    pass\nassert f(4) == 2",
-     "def f(x):\n    if x < 0:\n        raise ValueError(x)\n    return int(x ** 0.5)", "def f(x):\n    return int(abs(x) ** 0.5)"),
+     "def f(x):\n    if x < 0:\n        raise ValueError(x)\n    return int(x ** 0.5)",
+     "def f(x):\n    return int(abs(x) ** 0.5)"),
     ("assert Solution().two_sum([2, 7, 11], 9) == [0, 1]",
      "class Solution:\n    def two_sum(self, xs, t):\n        seen = {}\n        for i, x in enumerate(xs):\n"
      "            if t - x in seen:\n                return [seen[t - x], i]\n            seen[x] = i",
      "class Solution:\n    def two_sum(self, xs, t):\n        return [1, 0]"),
     ("s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.size() == 1",
-     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n"
+     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+     "        self.items.append(x)\n"
      "    def pop(self):\n        return self.items.pop()\n    def size(self):\n        return len(self.items)",
-     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n"
+     "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n"
+     "        self.items.append(x)\n"
      "    def pop(self):\n        return self.items.pop(0)\n    def size(self):\n        return len(self.items)"),
 ]
 
@@ -194,7 +201,8 @@ _HE_CLOSE = ("\n\nMETADATA = {'author': 'jt', 'dataset': 'test'}\n\n\ndef check(
              "    assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 1.0) == True\n"
              "    assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 0.5) == False\n\n")
 HUMANEVAL = [
-    ({"test": _CHECK_ADD, "entry_point": "add"}, "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"),
+    ({"test": _CHECK_ADD, "entry_point": "add"}, "def add(a, b):\n    return a + b",
+     "def add(a, b):\n    return a * b"),
     ({"test": _CHECK_ADD + "\ncheck(add)\n"}, "def add(x, y):\n    return x + y", "def add(x, y):\n    return 3"),
     ({"test": _HE_CLOSE, "entry_point": "has_close_elements"},
      "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"

@@ -43,7 +43,8 @@ def pytest_sessionstart(session):
 
     cal = machine.calibrate()
     _calibration.append(cal)
-    session.config.stash[CALIBRATION] = {"calibration": {"gemm_s": round(cal.gemm_s, 3), "python_s": round(cal.python_s, 3),
+    session.config.stash[CALIBRATION] = {"calibration": {"gemm_s": round(cal.gemm_s, 3),
+                                                         "python_s": round(cal.python_s, 3),
                                                          "torch_import_s": round(cal.torch_import_s, 3),
                                                          "steal": round(cal.steal, 4), "speed": round(cal.speed, 3)}}
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

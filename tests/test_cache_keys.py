@@ -46,7 +46,8 @@ def test_editing_reporting_interface_or_runner_code_reruns_no_stage(tmp_path, mo
 @pytest.mark.parametrize("edited, rerun", [
     ("stages/data/formats.py", AFTER_DATA),  # the data stage's reading code: it and everything after it
     ("stages/common/training.py", ["ppo", "reward", "serve", "sft", "tune"]),  # the shared Train helpers
-    ("stages/common/train_loop.py", ["ppo", "reward", "serve", "sft", "tune"]),  # the one Train loop (ppo: on sft's model)
+    # the one Train loop (ppo: on sft's model)
+    ("stages/common/train_loop.py", ["ppo", "reward", "serve", "sft", "tune"]),
     ("stages/common/deepspeed.py", ["ppo", "reward", "serve", "sft", "tune"]),
     ("stages/ppo/rl.py", ["ppo", "serve"]),  # PPO's math: PPO and what serves its policy
     ("stages/ppo/losses.py", ["ppo", "serve"]),  # what PPO's ranks minimise

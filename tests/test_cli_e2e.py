@@ -218,7 +218,8 @@ def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path, 
     "pipeline/runner.py", "pipeline/storage.py", "pipeline/swap.py", "pipeline/__main__.py"))
 def test_killed_run_leaves_no_artifact_and_the_rerun_completes(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", "--to", "data"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", "--to", "data"],
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = ""

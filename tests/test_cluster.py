@@ -85,7 +85,8 @@ def test_submitted_job_spreads_sft_over_both_nodes_and_survives_a_killed_worker(
     nodes = cluster.nodes()
     assert len(nodes) == 2 and sum(n["head"] for n in nodes) == 1
 
-    submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={run_dir}", tracking, *SFT)
+    submitted = _cli(cluster, "submit", str(SMOKE), "--address", cluster.dashboard, f"run_dir={run_dir}",
+                     tracking, *SFT)
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     job_id = submitted.stdout.strip().splitlines()[-1]
     assert job_id.startswith("pipeline-smoke-")
@@ -127,7 +128,8 @@ def test_a_killed_driver_resumes_from_the_object_store_with_finished_stages_cach
     bucket, SFT checkpoints go there, and after the driver is killed the rerun resumes from them."""
     with S3Server() as s3:
         store = s3.store("cluster")
-        args = ["run", str(SMOKE), f"run_dir={run_dir}", tracking, *SFT, "stages.sft.lr=0.002",  # a new SFT key, same upstream
+        args = ["run", str(SMOKE), f"run_dir={run_dir}", tracking, *SFT,
+                "stages.sft.lr=0.002",  # a new SFT key, same upstream
                 f"storage.uri={store.uri}", f"storage.endpoint_url={s3.endpoint}"]
         env = {**cluster.env, "RAY_ADDRESS": cluster.gcs}  # this machine's driver joins the cluster
         before = set(_registered(run_dir))

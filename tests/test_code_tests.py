@@ -103,7 +103,8 @@ def test_contains_and_nan_follow_the_same_rules():
 
 
 def test_values_round_trip_as_data_and_anything_else_is_refused():
-    value = [2 ** 20000, -5, 1.5, float("inf"), 2j, "s", b"\x00b", (1,), {2}, frozenset({3}), {"k": None}, range(1, 9, 2)]
+    value = [2 ** 20000, -5, 1.5, float("inf"), 2j, "s", b"\x00b", (1,), {2}, frozenset({3}), {"k": None},
+             range(1, 9, 2)]
     tagged = values.encode(value)
     assert values.decode(json.loads(json.dumps(tagged))) == value  # ints in hex: no 4,300-digit limit
     assert values.decode(values.canonical(tagged)) == value

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -80,7 +79,8 @@ def test_engines_start_in_waves_the_cluster_can_place():
     caller waited on its answers, the other two alive until then (test_sft_stage's three-model check hung)."""
     assert engines_at_once({"CPU": 2.0}, 1.0, gpu=False) == 2
     assert engines_at_once({"CPU": 8.0, "GPU": 3.0}, 1.0, gpu=True) == 3  # one GPU an engine
-    assert engines_at_once({"CPU": 1.0}, 2.0, gpu=False) == 1  # too big for the cluster: Ray's own error, not a hang here
+    # too big for the cluster: Ray's own error, not a hang here
+    assert engines_at_once({"CPU": 1.0}, 2.0, gpu=False) == 1
     assert engines_at_once({}, 1.0, gpu=True) == 1
 
 

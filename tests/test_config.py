@@ -64,8 +64,10 @@ def test_override_sets_nested_values(tmp_path):
         ("stages.data.on_bad_rows=skip", "stages.data.on_bad_rows: input should be 'drop' or 'fail'"),
         ("task.max_digits=0", "task.max_digits: input should be greater than or equal to 1"),
         ("model.builtin.num_heads=3", "num_heads (3) must divide hidden_size (64)"),
-        ("stages.data.sources.sft=[/nonexistent/rows.jsonl]", "stages.data.sources.sft.0.path: not found: /nonexistent/rows.jsonl"),
-        ("stages.data.sources.prompts=[{path: bench/rlhf_mix.json, format: alpaca}]", "stages.data.sources.prompts[0].format: 'alpaca' is not a prompts format"),
+        ("stages.data.sources.sft=[/nonexistent/rows.jsonl]",
+         "stages.data.sources.sft.0.path: not found: /nonexistent/rows.jsonl"),
+        ("stages.data.sources.prompts=[{path: bench/rlhf_mix.json, format: alpaca}]",
+         "stages.data.sources.prompts[0].format: 'alpaca' is not a prompts format"),
         ("model.source=/nonexistent/ckpt", "model.source: model directory not found: /nonexistent/ckpt"),
         ("stages.data.max_len", "expected key.path=value"),
     ],
@@ -116,7 +118,8 @@ def test_validate_and_plan_import_no_heavy_packages(tmp_path):
         "import sys; from pipeline.__main__ import main; "
         f"main(['validate', {str(SMOKE)!r}, 'run_dir={tmp_path}']); "
         f"main(['plan', {str(SMOKE)!r}, 'run_dir={tmp_path}']); "
-        "print('HEAVY', sorted(m for m in ('ray', 'vllm', 'deepspeed', 'torch', 'mlflow', 'transformers') if m in sys.modules))"
+        "print('HEAVY', sorted(m for m in ('ray', 'vllm', 'deepspeed', 'torch', 'mlflow', 'transformers') if m in "
+        "sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
     assert "HEAVY []" in out, out
@@ -136,7 +139,8 @@ def test_all_sections_reject_unknown_keys():
 
 
 def test_flags_and_overrides_mix_in_any_order(tmp_path, capfd):
-    result = cli_in_process(capfd, "plan", str(SMOKE), "--only", "model,data", f"run_dir={tmp_path}", "stages.data.max_len=70")
+    result = cli_in_process(capfd, "plan", str(SMOKE), "--only", "model,data", f"run_dir={tmp_path}",
+                            "stages.data.max_len=70")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("miss") == 2
     bad = cli_in_process(capfd, "plan", str(SMOKE), "--only", "model", "stray")

@@ -23,7 +23,8 @@ def test_rate_and_eta_count_from_the_first_report():
 
 
 def test_a_plain_progress_line_has_count_rate_eta_and_note():
-    assert progress_line("sft", "step", 6, 12, 2.0, 3.0, "loss 2.31") == "sft: step 6/12 (50%), 2 step/s, ETA 3s, loss 2.31"
+    assert progress_line("sft", "step", 6, 12, 2.0, 3.0, "loss 2.31") == \
+        "sft: step 6/12 (50%), 2 step/s, ETA 3s, loss 2.31"
     assert progress_line("ppo", "iter", 1, 3, 0.05, 40.0) == "ppo: iter 1/3 (33%), 20 s/iter, ETA 40s"
     assert progress_line("data: tokenize", "row", 64, None, None, None) == "data: tokenize: 64 rows"
     assert "ETA" not in progress_line("sft", "step", 12, 12, 2.0, 0.0)  # finished
@@ -341,7 +342,8 @@ def test_a_command_log_keeps_the_console_to_our_lines_one_notice_per_traceback_a
                 say(f"serve: library output in {log}")
                 print("INFO a library line")
                 for lines in (dead, teardown):
-                    router._ray_batch({"pid": 7, "actor_name": "MapWorker", "ip": "a", "localhost": "a", "lines": lines})
+                    router._ray_batch({"pid": 7, "actor_name": "MapWorker", "ip": "a", "localhost": "a",
+                                       "lines": lines})
                 raise RuntimeError("the command failed")
         except RuntimeError:
             router.console.print("command-failed")
@@ -350,8 +352,8 @@ def test_a_command_log_keeps_the_console_to_our_lines_one_notice_per_traceback_a
     console, log = (result.stdout + result.stderr).splitlines(), _log(tmp_path, "serve-command")
     path = tmp_path / "run" / "logs" / "serve-command.log"
     assert console[0].endswith(f"serve: library output in {path}"), console
-    assert console[1] == f"  ! serve: (MapWorker pid=7) (MainProcess pid=7) ERROR 12-01 19:11:55 [core.py:12] EngineCore " \
-                         f"failed. (see {path})", console
+    assert console[1] == f"  ! serve: (MapWorker pid=7) (MainProcess pid=7) ERROR 12-01 19:11:55 [core.py:12] " \
+                         f"EngineCore failed. (see {path})", console
     assert console[2:] == [f"  serve failed; its log: {path}", "command-failed"], console  # nothing else
     for line in ("INFO a library line", "RuntimeError: boom", "AsyncLLM output_handler failed",
                  "RuntimeError: the command failed"):

@@ -131,7 +131,8 @@ def _write_user_files(tmp_path):
     pref.write_text("prompt,chosen,rejected\n" + "".join(f"What is {i} + 2?,{i + 2},{i + 3}\n" for i in range(20))
                     + "Same?,same,same\n")
     prompts = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": [f"What is {i} + 4?" for i in range(20)], "answer": [str(i + 4) for i in range(20)]}),
+    pq.write_table(pa.table({"prompt": [f"What is {i} + 4?" for i in range(20)],
+                             "answer": [str(i + 4) for i in range(20)]}),
                    prompts)
     return sft, pref, prompts
 
@@ -214,7 +215,8 @@ def test_a_local_checkpoint_replaces_the_builtin_model(ray_local, tmp_path, trac
     assert m["sft_train_rows"] > 0
 
     cfg = smoke_config(tmp_path / "run", f"model.source={ckpt}", f"mlflow.tracking_uri={tracking_uri}")
-    assert {p.spec.name: p.status for p in build_plan(cfg, to="data") if p.status != "skip"} == {"model": "hit", "data": "hit"}
+    assert {p.spec.name: p.status for p in build_plan(cfg, to="data") if p.status != "skip"} == \
+        {"model": "hit", "data": "hit"}
     (ckpt / "config.json").write_text((ckpt / "config.json").read_text().replace("}", ', "note": 1}', 1))
     plan = {p.spec.name: p for p in build_plan(cfg, to="data")}
     assert plan["model"].status == "miss" and "raw inputs changed" in plan["model"].reason
@@ -255,12 +257,14 @@ def user_formats(ray_local, run_dir, tracking_uri, tmp_path_factory):
             f.write(json.dumps({"messages": [{"role": "system", "content": system}, {"role": "user", "content": user},
                                              {"role": "assistant", "content": reply}]}) + "\n")
         f.write('{"messages": [{"role": "user", "content": "cut off\n')  # invalid JSON: dropped, counted
-        f.write(json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
+        f.write(json.dumps({"messages": [{"role": "user",
+                                          "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]},
                                          {"role": "assistant", "content": "a cat"}]}) + "\n")  # an image: refused
     shards = tmp_path / "sharegpt"
     shards.mkdir()
     for part in range(2):
-        rows = [{"conversations": [{"from": "system", "value": s}, {"from": "human", "value": u}, {"from": "gpt", "value": r}]}
+        rows = [{"conversations": [{"from": "system", "value": s}, {"from": "human", "value": u},
+                                   {"from": "gpt", "value": r}]}
                 for s, u, r in convs[part * 25:(part + 1) * 25]]
         pq.write_table(pa.Table.from_pylist(rows), shards / f"part-{part}.parquet")
     alpaca = tmp_path / "alpaca.csv"
@@ -270,7 +274,8 @@ def user_formats(ray_local, run_dir, tracking_uri, tmp_path_factory):
         "question": [u for _, u, _ in convs], "final": [r for _, _, r in convs], "level": list(range(50))})}
     ).save_to_disk(str(tmp_path / "rl"))
     rl = f"{{path: {tmp_path / 'rl'}, split: test, columns: {{prompt: question, answer: final}}}}"
-    capitals_sft = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["answer"]}]}
+    capitals_sft = [{"messages": [{"role": "user", "content": r["prompt"]},
+                                  {"role": "assistant", "content": r["answer"]}]}
                     for r in CAPITALS]
     for name, rows in (("capitals", CAPITALS), ("held_out", HELD_OUT), ("capitals_sft", capitals_sft)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -79,7 +79,8 @@ def test_empty_splits_are_errors_naming_the_fix():
     from pipeline.errors import DataError
     from stages.data import _check_not_empty
 
-    counts = {"sft_train_rows": 5, "sft_eval_rows": 0, "sft_rows_bad": 0, "sft_rows_duplicate": 0, "sft_rows_too_long": 0}
+    counts = {"sft_train_rows": 5, "sft_eval_rows": 0, "sft_rows_bad": 0, "sft_rows_duplicate": 0,
+              "sft_rows_too_long": 0}
     with pytest.raises(DataError, match="no sft rows left in the eval split.*eval_fraction"):
         _check_not_empty("sft", counts, had_input=True)
     _check_not_empty("sft", counts, had_input=False)  # a kind nobody asked for may be empty
@@ -155,7 +156,8 @@ def test_tool_calls_need_a_template_that_renders_them(tokenizer, tmp_path):
     tok.tok.chat_template = builtin
     ids, mask = tok._conversation(call)
     trained = tok.tok.decode([t for t, m in zip(ids, mask) if m])
-    assert '<tool_call>{"name": "calc", "arguments": {"expr": "2 + 2"}}</tool_call>' in trained and "2 + 2?" not in trained
+    assert '<tool_call>{"name": "calc", "arguments": {"expr": "2 + 2"}}</tool_call>' in trained and \
+        "2 + 2?" not in trained
 
 
 def test_first_of_each_keeps_one_row_per_key_in_key_order():

@@ -116,7 +116,8 @@ def test_every_link_and_anchor_resolves(path):
         ("Operations: clusters, jobs, schedules, faults", "operations-clusters-jobs-schedules-faults"),
         ("The artifact store (`pipeline/storage.py`)", "the-artifact-store-pipelinestoragepy"),
         ("Serving (`serve`) and batch inference (`batch_infer`)", "serving-serve-and-batch-inference-batch_infer"),
-        ("DPO: does preference optimisation learn? (`bench/dpo.py`)", "dpo-does-preference-optimisation-learn-benchdpopy"),
+        ("DPO: does preference optimisation learn? (`bench/dpo.py`)",
+         "dpo-does-preference-optimisation-learn-benchdpopy"),
         ("Speed — 2026-11-28", "speed--2026-11-28"),
         ("See [the docs](docs/README.md) first", "see-the-docs-first"),
     ],
@@ -160,14 +161,16 @@ def test_readme_is_the_entrance():
 
 def test_readme_lists_every_recipe():
     text = README.read_text(encoding="utf-8")
-    missing = [p.name for p in sorted((ROOT / "configs" / "recipes").glob("*.yaml")) if f"configs/recipes/{p.name}" not in text]
+    missing = [p.name for p in sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+               if f"configs/recipes/{p.name}" not in text]
     assert not missing, f"recipes missing from README.md's table: {missing}"
 
 
 def test_every_docs_page_is_on_the_map():
     """docs/README.md, the map of docs/, links every page of it."""
     index = ROOT / "docs" / "README.md"
-    linked = {(index.parent / target.partition("#")[0]).resolve() for _, target in links(index.read_text(encoding="utf-8"))}
+    linked = {(index.parent / target.partition("#")[0]).resolve()
+              for _, target in links(index.read_text(encoding="utf-8"))}
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p != index and p.resolve() not in linked]
     assert not missing, f"docs pages missing from docs/README.md: {missing}"
 
@@ -383,7 +386,8 @@ python -m pipeline not-a-command   # python code, not a shell command
 @pytest.mark.parametrize("test, command, target, found", [
     ("test_readme_is_the_entrance", "run configs/full.yaml --only sft", "run", []),
     ("test_no_such_thing", "run configs/full.yaml", "run", ["tests/test_docs.py::test_no_such_thing: no such test"]),
-    ("test_readme_is_the_entrance", "run configs/full.yaml --froms sft", "run", ["unrecognized arguments: --froms"] * 2),
+    ("test_readme_is_the_entrance", "run configs/full.yaml --froms sft", "run",
+     ["unrecognized arguments: --froms"] * 2),
     ("test_readme_is_the_entrance", "trian configs/full.yaml", "run", ["unknown command 'trian'"] * 2),
     ("test_readme_is_the_entrance", "run configs/full.yaml", "runn", ["no Makefile target runn"]),
 ])

@@ -18,7 +18,8 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def test_the_same_conversation_in_every_sft_format_is_the_same_row():
     as_messages = {"messages": CHAT}
-    as_sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "What is 2 + 2?"},
+    as_sharegpt = {"conversations": [{"from": "system", "value": "Be brief."},
+                                     {"from": "human", "value": "What is 2 + 2?"},
                                      {"from": "gpt", "value": "4"}]}
     as_alpaca = {"system": "Be brief.", "instruction": "What is 2 + 2?", "input": "", "output": "4"}
     as_completion = {"prompt": CHAT[:2], "completion": [CHAT[2]]}
@@ -50,7 +51,8 @@ def test_tool_calls_tool_turns_and_text_parts():
     assert good["messages"][1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Oslo"}}
     assert good["messages"][2] == {"role": "tool", "content": "-3 C", "tool_call_id": "c1"}
     # Parquet fills absent struct fields with None: they are absent, not values
-    parquet_like = [{"role": "user", "content": "q", "tool_calls": None, "name": None}, {"role": "assistant", "content": "a"}]
+    parquet_like = [{"role": "user", "content": "q", "tool_calls": None, "name": None},
+                    {"role": "assistant", "content": "a"}]
     assert check_row("sft", {"messages": parquet_like})[0]["messages"][0] == {"role": "user", "content": "q"}
 
 
@@ -136,7 +138,8 @@ def test_sources_resolve_globs_directories_and_report_the_format(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     (tmp_path / "shards").mkdir()
     for i in range(3):
-        pq.write_table(pa.table({"conversations": [[{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]]}),
+        pq.write_table(pa.table({"conversations": [[{"from": "human", "value": f"q{i}"},
+                                                    {"from": "gpt", "value": "a"}]]}),
                        tmp_path / "shards" / f"part-{i}.parquet")
     (tmp_path / "shards" / "README.txt").write_text("not data")
     src = SourcesConfig(sft=["shards"]).sft[0]

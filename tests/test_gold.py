@@ -124,6 +124,7 @@ def test_grpo_std_floor_keeps_near_ties_small():
     scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.01, 0.0, 0.0, 0.0])
     plain = rl.grpo_advantages(scores, 4)
     floored = rl.grpo_advantages(scores, 4, std_floor=0.1)
-    assert float(plain[4]) == pytest.approx(float(plain[0]), rel=1e-3)  # without the floor a 0.01 gap counts as much as 0/1
+    # without the floor a 0.01 gap counts as much as 0/1
+    assert float(plain[4]) == pytest.approx(float(plain[0]), rel=1e-3)
     assert floored[:4].tolist() == pytest.approx(plain[:4].tolist())  # the 0/1 group (std 0.43) is untouched
     assert float(floored[4]) == pytest.approx(0.0075 / 0.1, rel=1e-3)  # (0.01 - 0.0025) / floor

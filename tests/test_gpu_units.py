@@ -277,8 +277,8 @@ def test_a_gpu_shortfall_is_refused_at_load_with_the_count(monkeypatch):
     with pytest.raises(UserError, match=r"stages.sft.num_workers: 4 workers need 4 GPUs .* \(2 short\)"):
         load_config("configs/smoke.yaml", ["ray.num_gpus=2", "stages.sft.num_workers=4"])
     ok = ["stages.sft.num_workers=1", "stages.reward.num_workers=1"]
-    load_config("configs/smoke.yaml", ["ray.num_gpus=2", "stages.ppo.layout=separate", "stages.ppo.gpus_per_process=0.25",
-                                       "stages.ppo.rollout.num_engines=1", *ok])
+    load_config("configs/smoke.yaml", ["ray.num_gpus=2", "stages.ppo.layout=separate",
+                                       "stages.ppo.gpus_per_process=0.25", "stages.ppo.rollout.num_engines=1", *ok])
     load_config("configs/smoke.yaml", ["ray.num_gpus=0", "stages.sft.num_workers=4"])
 
 
@@ -342,7 +342,8 @@ class RecordingLLM:
 
 
 def _iteration(cycle, llm, generated):
-    cycle.generate(lambda: generated.append(llm.weights), reload=lambda: cycle.load(lambda: setattr(llm, "weights", "gpu")))
+    cycle.generate(lambda: generated.append(llm.weights),
+                   reload=lambda: cycle.load(lambda: setattr(llm, "weights", "gpu")))
     cycle.load(lambda: setattr(llm, "weights", "gpu"))  # the sync after the update
 
 

@@ -8,6 +8,7 @@ so they hold for deselected tests too, and show the run-time check failing on pu
 from __future__ import annotations
 
 import ast
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,8 @@ def _truthy_constant(node: ast.expr) -> bool:
 
 def _without_calls(node: ast.expr) -> bool:
     """Evaluated twice, the same value: no call, await or assignment in it (names, attributes, subscripts)."""
-    return not any(isinstance(n, (ast.Call, ast.Await, ast.NamedExpr, ast.Yield, ast.YieldFrom)) for n in ast.walk(node))
+    return not any(isinstance(n, (ast.Call, ast.Await, ast.NamedExpr, ast.Yield, ast.YieldFrom))
+                   for n in ast.walk(node))
 
 
 def _is_len_call(node: ast.expr) -> bool:
@@ -206,3 +208,13 @@ def test_conftest_fails_a_unit_modules_test_that_uses_ray(tmp_path):
     assert "asks for the Ray fixture(s) ray_local" in text
     assert "ERROR test_probe_units.py::test_starts_and_stops_its_own_ray" in text
     assert "used Ray (ray.init)" in text
+
+
+def test_ruff_passes_the_line_length_and_pyflakes():
+    """`ruff check` over the repository ([tool.ruff] in pyproject.toml: lines of at most 120 characters, pyflakes'
+    rules) exits 0. ruff comes with the `dev` extra; a venv without it fails here rather than skipping the check."""
+    assert importlib.util.find_spec("ruff") is not None, \
+        f"ruff is not installed in {sys.executable}'s environment: run `make setup` (the dev extra pins it)"
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"ruff check {ROOT} (exit {out.returncode}):\n{out.stdout}{out.stderr}"

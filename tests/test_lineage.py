@@ -16,7 +16,8 @@ def test_stage_runs_carry_their_datasets_and_models_as_mlflow_lineage(tmp_path):
     sft_run, cached_run, reward_run = (client.create_run(exp).info.run_id for _ in range(3))
     lineage.record(client, exp, sft_run, "sft", "5f7", {"sft_data": (data_dir, "d4t4"), "base_model": (data_dir, "m0")},
                    {"sft_model": sft_dir / "model"})
-    lineage.record(client, exp, cached_run, "sft", "5f7", {"sft_data": (data_dir, "d4t4")}, {"sft_model": sft_dir / "model"})
+    lineage.record(client, exp, cached_run, "sft", "5f7", {"sft_data": (data_dir, "d4t4")},
+                   {"sft_model": sft_dir / "model"})
     lineage.record(client, exp, reward_run, "reward", "r3w", {"sft_model": (sft_dir, "5f7")}, {})
 
     inputs = client.get_run(sft_run).inputs

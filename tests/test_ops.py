@@ -327,7 +327,8 @@ def test_k8s_manifests_are_locked_down_and_bounded_in_time():
     assert len(containers) == 4  # submitter, head, workers, cron's submit
     # the Ray nodes run model-written code: the sandbox's strongest tier needs user namespaces (docs/security.md)
     cluster = rayjob["spec"]["rayClusterSpec"]
-    for pod in (cluster["headGroupSpec"]["template"]["spec"], *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])):
+    for pod in (cluster["headGroupSpec"]["template"]["spec"],
+                *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])):
         assert pod["hostUsers"] is False
         for c in pod["containers"]:
             ctx = c["securityContext"]
@@ -411,7 +412,8 @@ def test_checkpoints_load_from_safetensors_only_and_never_run_their_code(tmp_pat
     loads = []
     for path in sorted((ROOT / "stages").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained"
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "from_pretrained"
                     and isinstance(node.func.value, ast.Name) and node.func.value.id.startswith("AutoModelFor")):
                 safe = any(k.arg is None and ast.unparse(k.value).endswith("SAFE_LOAD") for k in node.keywords)
                 loads.append((f"{path.relative_to(ROOT)}:{node.lineno}", safe))

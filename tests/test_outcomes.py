@@ -23,12 +23,14 @@ def test_each_stage_reads_as_one_line_of_what_it_achieved():
     # evaluation off, or a manifest from before a metric existed: what there is, never an error
     assert describe(SPEC["sft"], {"eval_loss": 2.0, "accuracy": 0.5}) == "eval loss 2.000"
     assert describe(SPEC["ppo"], {"eval_accuracy": True}) == ""
-    assert fields(SPEC["ppo"][0]) == ["eval_accuracy_before", "eval_accuracy", "eval_prompts", "eval_accuracy_sign_test_p"]
+    assert fields(SPEC["ppo"][0]) == \
+        ["eval_accuracy_before", "eval_accuracy", "eval_prompts", "eval_accuracy_sign_test_p"]
 
 
 def test_the_parent_run_carries_every_stage_headline_and_nothing_else():
     metrics = rollup({"ppo": (SPEC["ppo"], PPO), "reward": (SPEC["reward"], {"eval_accuracy": 0.9, "train_loss": 0.1}),
                       "model": (SPEC["model"], {"num_parameters": 55936, "vocab_size": 295})})
-    assert metrics == {"ppo.eval_accuracy_before": 0.25, "ppo.eval_accuracy": 0.5, "ppo.eval_accuracy_sign_test_p": 0.0039,
+    assert metrics == {"ppo.eval_accuracy_before": 0.25, "ppo.eval_accuracy": 0.5,
+                       "ppo.eval_accuracy_sign_test_p": 0.0039,
                        "ppo.eval_prompts": 64.0, "reward.eval_accuracy": 0.9, "model.num_parameters": 55936.0}
     assert headline(SPEC["sft"], {"eval_loss": 2.0}) == {"eval_loss": 2.0}

@@ -117,7 +117,8 @@ def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_t
     with S3Server() as s3:
         # DAPO's pieces on the asynchronous path (docs/objectives.md): the loop's wiring of them is under test
         # here, their math in tests/test_grpo_oracle.py and tests/test_ppo_units.py
-        dapo = ["stages.ppo.loss_type=dapo", "stages.ppo.clip_eps_high=0.28", "stages.ppo.dynamic_sampling.enabled=true",
+        dapo = ["stages.ppo.loss_type=dapo", "stages.ppo.clip_eps_high=0.28",
+                "stages.ppo.dynamic_sampling.enabled=true",
                 "stages.ppo.overlong.cache=2", "stages.ppo.overlong.penalty=0.05"]
         grpo = [*LEARN, *dapo, "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true",
                 "stages.ppo.rewards.model_weight=0",

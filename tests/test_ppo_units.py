@@ -16,13 +16,16 @@ from pipeline.errors import ConfigError, UserError
         (["stages.ppo.prompts_per_iteration=5", "stages.ppo.sampling.n=3", "stages.ppo.mini_batch_size=4"],
          "mini_batch_size (4) must divide prompts_per_iteration x sampling.n (5 x 3 = 15)"),
         (["stages.ppo.policy.num_ranks=3"], "must be a multiple of micro_batch_size x policy.num_ranks"),
-        (["stages.ppo.rollout.num_engines=12", "ray.num_cpus=8"], "stages.ppo.rollout.num_engines: the roles and 12 engines need"),
+        (["stages.ppo.rollout.num_engines=12", "ray.num_cpus=8"],
+         "stages.ppo.rollout.num_engines: the roles and 12 engines need"),
         (["stages.ppo.reward.cpus_per_rank=5", "stages.ppo.rewards.model_weight=0.5", "ray.num_cpus=8"],
          "need 11 logical CPUs but the local Ray has 8"),
         (["stages.ppo.kl.estimator=k4"], "stages.ppo.kl.estimator: input should be 'k1', 'k2' or 'k3'"),
-        (["stages.ppo.rewards.rule=nonsense"], "stages.ppo.rewards.rule: must be 'verifier', 'code_tests' or 'module:function'"),
+        (["stages.ppo.rewards.rule=nonsense"],
+         "stages.ppo.rewards.rule: must be 'verifier', 'code_tests' or 'module:function'"),
         (["stages.ppo.rewards.rule_weight=0", "stages.ppo.rewards.model_weight=0"], "nothing would reward the policy"),
-        (["stages.ppo.policy.deepspeed.zero_stage=4"], "stages.ppo.policy.deepspeed.zero_stage: input should be 0, 1, 2 or 3"),
+        (["stages.ppo.policy.deepspeed.zero_stage=4"],
+         "stages.ppo.policy.deepspeed.zero_stage: input should be 0, 1, 2 or 3"),
         (["stages.ppo.reference.colocate=true", "stages.ppo.reference.deepspeed.zero_stage=3"],
          "stages.ppo.reference: colocate: a colocated reference is a plain copy in each policy rank"),
         (["stages.ppo.rollout.asynchronous=true"], "stages.ppo.rollout.asynchronous"),
@@ -142,7 +145,8 @@ def test_advantages_dispatch_per_algorithm():
     kl = torch.zeros(4, 2)
 
     def run(alg):
-        cfg = PPOConfig(algorithm=alg, sampling={"n": 2}, prompts_per_iteration=2, mini_batch_size=4, micro_batch_size=2,
+        cfg = PPOConfig(algorithm=alg, sampling={"n": 2}, prompts_per_iteration=2, mini_batch_size=4,
+                        micro_batch_size=2,
                         policy={"num_ranks": 1})
         return advantages(cfg, scores, kl, mask, 0.1, values=torch.zeros(4, 2))
 

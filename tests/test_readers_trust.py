@@ -124,8 +124,8 @@ def test_a_record_nested_past_the_cap_refuses_its_file(tmp_path):
     rows = list(iter_rows(f))
     assert [n for n, _ in rows] == [1, 2, 3] and isinstance(rows[1][1], safe_read.Refusal)
     assert locate_problem(f, "sft", parse_only=True) == f"{f}: line 2: {safe_read.too_deep()}"
-    assert files.refusal(f) == f"{f}: line 2: a record nested more than 100 levels deep (the cap on one JSON record); " \
-                         "flatten it or leave it out"
+    assert files.refusal(f) == f"{f}: line 2: a record nested more than 100 levels deep (the cap on one JSON " \
+                               "record); flatten it or leave it out"
     # the cap is ours, not the parser's (which stops near 1,000 levels, fewer in a deeper stack)
     for depth, refused in ((101, True), (100, False)):
         record = '{"prompt": "q", "response": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
@@ -345,7 +345,8 @@ def test_a_link_out_of_the_source_folder_is_refused_naming_the_link_and_its_targ
     _jsonl(outside / "b.jsonl", GOOD)
     os.unlink(d / "env.jsonl")
     os.symlink(outside, d / "more")  # a directory out: refused before anything in it is listed
-    with pytest.raises(ValueError, match=rf"{re.escape(str(d / 'more'))}: a link to {re.escape(str(outside))}, outside"):
+    with pytest.raises(ValueError,
+                       match=rf"{re.escape(str(d / 'more'))}: a link to {re.escape(str(outside))}, outside"):
         SourceConfig(path=str(d))
     assert SourceConfig(path=str(d / "more" / "b.jsonl")).files() == [d / "more" / "b.jsonl"]  # named: read
 

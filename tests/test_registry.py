@@ -97,7 +97,8 @@ def test_a_stage_is_one_module_and_one_registry_line(greet, tmp_path, tracking_u
     with pytest.raises(ConfigError, match=r"stages\.greet\.times: more greetings than stages\.data\.max_len"):
         load_config(SMOKE, [*base, "stages.greet.times=1000"], schema=schema)
     rows = {key: doc for key, _, doc in reference(schema)}
-    assert rows["stages.greet"] == "The greet stage; empty: none." and rows["stages.greet.times"] == "How often it writes it."
+    assert rows["stages.greet"] == "The greet stage; empty: none." and \
+        rows["stages.greet.times"] == "How often it writes it."
     # opt-in: a config without the section has no such stage; the stock config knows nothing of it
     assert "greet" not in [s.name for s in stages_for(load_config(SMOKE, base, schema=schema))]
     assert "greet" not in PipelineConfig.model_fields["stages"].annotation.model_fields

@@ -40,14 +40,16 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained):
     mean = lambda xs: sum(x.value for x in xs) / len(xs)  # noqa: E731
     assert mean(lm[-3:]) < mean(lm[:3]) - 0.5, [round(x.value, 3) for x in lm]
     evals = sorted(client.get_metric_history(run_id, "eval_loss"), key=lambda x: x.step)
-    assert evals[0].step == 0 and evals[-1].step == steps and all(torch.isfinite(torch.tensor([e.value for e in evals])))
+    assert evals[0].step == 0 and evals[-1].step == steps and \
+        all(torch.isfinite(torch.tensor([e.value for e in evals])))
     assert {"eval_accuracy", "eval_margin", "train_loss"} <= manifest["metrics"].keys()
     out = storage.output_paths(manifest, storage.artifact_dir(smoke_trained.run_dir, "reward",
-                                                                  manifest["key"]))["reward_model"]
+                                                              manifest["key"]))["reward_model"]
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1
     tok = load_tokenizer(out)
-    pairs = [("What is 2 + 3?", "2 + 3 = 5"), ("What is 2 + 3?", "no"), ("What is 12 + 31?", "12 + 31 = 43, since 2 + 1 = 3"),
+    pairs = [("What is 2 + 3?", "2 + 3 = 5"), ("What is 2 + 3?", "no"),
+             ("What is 12 + 31?", "12 + 31 = 43, since 2 + 1 = 3"),
              ("What is 4 + 4?", "8")]
     heads = reward_scores(model, tok, pairs, 2)  # scored in length order, returned in the callers' order
     assert [len(h) for h in heads] == [1] * 4  # one score head

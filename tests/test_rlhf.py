@@ -52,7 +52,8 @@ def test_rl_on_the_reward_model_alone_raises_the_gold_preference(tmp_path):
     rm, rl = manifest("reward")["metrics"], manifest("ppo")["metrics"]
     # The reward model is scored against its labels and against gold (here the same: no noise).
     assert rm["eval_accuracy_gold"] >= 0.9, rm
-    assert saved_heads(storage.output_paths(manifest("reward"), Path(stages["reward"]["artifact"]))["reward_model"]) == 3
+    assert saved_heads(storage.output_paths(manifest("reward"),
+                                            Path(stages["reward"]["artifact"]))["reward_model"]) == 3
     assert "3 score heads on bootstrap resamples" in done.stderr and "3 score head(s), combined by lcb" in done.stderr
     # The gold score of the held-out samples rises, and the win-rate against the SFT policy is above a half.
     assert rl["eval_sampled_gold"] > rl["eval_sampled_gold_before"], rl

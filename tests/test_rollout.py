@@ -20,7 +20,8 @@ def model_dir(tmp_path_factory):
 
     cfg = models.BuiltinModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
                                     num_heads=2, num_kv_heads=1, max_position_embeddings=128)
-    return redraw(models.build_base_model(tmp_path_factory.mktemp("model"), cfg, tasks.corpus(tasks.TaskConfig(), 0), 0))
+    return redraw(models.build_base_model(tmp_path_factory.mktemp("model"), cfg,
+                                          tasks.corpus(tasks.TaskConfig(), 0), 0))
 
 
 def _prompts(model_dir) -> list[list[int]]:

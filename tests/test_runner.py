@@ -321,7 +321,8 @@ def test_a_truncated_or_missing_output_is_a_miss_not_a_hit(toy):
     out = storage.artifact_dir(run_dir, "toy_a", t.plan()["toy_a"].key)
     (out / "a.txt").write_text("6")  # truncated after it was made
     plan = t.plan()
-    assert plan["toy_a"].status == "miss" and plan["toy_a"].reason == "output damaged: a.txt has 1 bytes, 2 when it was made"
+    assert plan["toy_a"].status == "miss" and \
+        plan["toy_a"].reason == "output damaged: a.txt has 1 bytes, 2 when it was made"
     assert plan["toy_b"].status == "hit"  # the same key upstream: only the damaged stage reruns
     assert t.run() == ["a"] and (out / "a.txt").read_text() == "64"
     (out / "a.txt").write_text("65")  # the same size, other content
@@ -338,14 +339,16 @@ def test_a_custom_rule_reward_module_is_part_of_the_ppo_key(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(code))
 
     def plan():
-        return {p.spec.name: p for p in build_plan(smoke_config(tmp_path / "run", "stages.ppo.rewards.rule=my_reward:score"))}
+        return {p.spec.name: p
+                for p in build_plan(smoke_config(tmp_path / "run", "stages.ppo.rewards.rule=my_reward:score"))}
 
     before = plan()
     assert any(path.endswith("my_reward.py") for path in before["ppo"].components["code"])
     (code / "my_reward.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")
     after = plan()
     assert after["ppo"].key != before["ppo"].key
-    assert [after[n].key for n in ("model", "data", "sft", "reward")] == [before[n].key for n in ("model", "data", "sft", "reward")]
+    assert [after[n].key for n in ("model", "data", "sft", "reward")] == \
+        [before[n].key for n in ("model", "data", "sft", "reward")]
 
 
 def test_a_stage_is_keyed_on_its_own_code_so_editing_another_stage_keeps_it_cached(tmp_path, monkeypatch):
@@ -392,7 +395,8 @@ def bucket_toy(toy):
 def _bucket_file(bucket, stage: str, key: str, name: str) -> str:
     import json
 
-    return f"artifacts/{stage}/{key}/{json.loads(bucket.read_bytes(f'artifacts/{stage}/{key}/manifest.json'))['copy']}/{name}"
+    return (f"artifacts/{stage}/{key}/"
+            f"{json.loads(bucket.read_bytes(f'artifacts/{stage}/{key}/manifest.json'))['copy']}/{name}")
 
 
 def test_a_forced_rerun_over_a_bucket_only_artifact_replaces_same_size_stale_bytes(bucket_toy, tmp_path):

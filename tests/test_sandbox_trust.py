@@ -21,7 +21,7 @@ import pytest
 
 from stages.ppo import sandbox
 from stages.ppo.sandbox import cgroup, harness, tiers
-from stages.ppo.sandbox import SandboxLimits, code_tests, extract_code, run_python
+from stages.ppo.sandbox import SandboxLimits, extract_code, run_python
 from helpers.sandbox_tiers import WORKING
 
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
@@ -128,7 +128,8 @@ def test_the_bwrap_root_holds_only_what_the_interpreter_needs(tier):
     outside = Path(tempfile.mkdtemp(dir="/var/tmp"))
     try:
         (outside / "secret.txt").write_text("host secret")
-        paths = ["/etc/passwd", str(Path(__file__).resolve()), str(REPO / "pyproject.toml"), str(outside / "secret.txt"),
+        paths = ["/etc/passwd", str(Path(__file__).resolve()), str(REPO / "pyproject.toml"),
+                 str(outside / "secret.txt"),
                  "/var/run/secrets", "/home", "/etc/hostname"]
         code = textwrap.dedent(f"""
             import json, re, math, collections, os
@@ -186,7 +187,8 @@ def test_code_of_the_callers_own_uid_cannot_read_its_environment():
             sys.modules[name] = types.ModuleType(name)
             sys.modules[name].__path__ = [{str(REPO)!r} + "/" + path]
         import stages.ppo.sandbox as sbx
-        code = ("import os\\ntry:\\n    print(b'SBX_SECRET_MARK' in open('/proc/%d/environ' % os.getppid(), 'rb').read())"
+        code = ("import os\\ntry:\\n"
+                "    print(b'SBX_SECRET_MARK' in open('/proc/%d/environ' % os.getppid(), 'rb').read())"
                 "\\nexcept OSError as e:\\n    print('denied', e.errno)\\n")
         res = sbx.run_python(code, sbx.SandboxLimits(cpu_s=2, wall_s=5, processes=8))
         print(json.dumps([sbx.isolation(), res.stdout, res.stderr[-300:]]))

@@ -216,7 +216,8 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
             "no key": post("/v1/completions", good, headers={}),
             "wrong key": post("/v1/completions", good, headers={"Authorization": "Bearer nope"}),
             "bad JSON": post("/v1/completions", b'{"model": '),
-            "non-JSON as text/plain": http.post("/v1/completions", content=b"hello", headers={**auth, "content-type": "text/plain"}),
+            "non-JSON as text/plain": http.post("/v1/completions", content=b"hello",
+                                                headers={**auth, "content-type": "text/plain"}),
             "unknown model": post("/v1/completions", {**good, "model": "no-such-model"}),
             "negative max_tokens": post("/v1/chat/completions", {"model": model, "max_tokens": -5,
                                                                  "messages": [{"role": "user", "content": "hi"}]}),
@@ -231,7 +232,8 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
                             "unknown model": 404, "negative max_tokens": 400, "prompt longer than the context": 400,
                             "max_tokens above the limit": 400, "n as a string": 400, "n as a float": 400,
                             "body above the size limit": 413}
-        assert "max_tokens" in cases["negative max_tokens"].text and "context length" in cases["prompt longer than the context"].text
+        assert "max_tokens" in cases["negative max_tokens"].text and \
+            "context length" in cases["prompt longer than the context"].text
         after = post("/v1/completions", good)
         assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] > 0
         assert http.get("/-/healthz").status_code == 200  # health needs no key
@@ -252,7 +254,8 @@ def test_requests_asking_too_much_work_get_400_naming_the_limit_on_every_route(s
     cases = [  # (route, body, what the answer names)
         ("/v1/completions", {**text, "prompt": ["1 + 1"] * 65}, f"{L}max_prompts (64)"),
         ("/v1/completions", {**text, "prompt": [[1, 2]] * 65}, f"{L}max_prompts (64)"),
-        ("/v1/completions", {**text, "prompt": ["1 + 1"] * 64, "n": 8, "max_tokens": 32}, f"{L}max_request_tokens (8192)"),
+        ("/v1/completions", {**text, "prompt": ["1 + 1"] * 64, "n": 8, "max_tokens": 32},
+         f"{L}max_request_tokens (8192)"),
         ("/v1/completions", {**text, "prompt_logprobs": 6}, f"{L}max_logprobs (5)"),
         ("/v1/completions", {**text, "logprobs": -1}, f"{L}max_logprobs"),
         ("/v1/completions", {**text, "stop": ["a"] * 5}, f"{L}max_stop (4)"),

@@ -50,7 +50,8 @@ def test_registry_versions_only_changed_models_and_moves_the_alias(tmp_path):
     second = model_registry.register(client, "m", "champion", b, run(), {"cache_key": "k3"})
     assert (second["version"], second["new_version"]) == (2, True)
     version = client.get_model_version_by_alias("m", "champion")
-    assert int(version.version) == 2 and version.tags["cache_key"] == "k3" and version.tags["model_hash"] == second["model_hash"]
+    assert int(version.version) == 2 and version.tags["cache_key"] == "k3" and \
+        version.tags["model_hash"] == second["model_hash"]
     assert client.get_model_version("m", "1").tags["metric.accuracy"] == "0.5"
 
     # Back to the first model: no third version, the alias returns to version 1.
@@ -61,14 +62,16 @@ def test_registry_versions_only_changed_models_and_moves_the_alias(tmp_path):
     # Fetched by URI, as another machine would: the files are the registered ones.
     got = model_registry.fetch("models:/m@champion", uri, tmp_path / "cache")
     assert (got / "model.safetensors").read_bytes() == b"weights-1"
-    assert model_registry.fetch("models:/m/2", uri, tmp_path / "cache").joinpath("model.safetensors").read_bytes() == b"weights-2"
+    assert model_registry.fetch("models:/m/2", uri, tmp_path / "cache").joinpath("model.safetensors").read_bytes() == \
+        b"weights-2"
     assert not list((tmp_path / "cache" / "m").glob(".download-*"))  # no half-written download left behind
     # Another registry's "version 1" is another model: never served from the first one's download.
     other_uri = f"sqlite:///{tmp_path / 'other.db'}"
     other = MlflowClient(other_uri)
     other_exp = other.create_experiment("e", artifact_location=(tmp_path / "other-art").as_uri())
     c = _model(tmp_path / "c", b"weights-other")
-    assert model_registry.register(other, "m", "champion", c, other.create_run(other_exp).info.run_id, {})["version"] == 1
+    assert model_registry.register(
+        other, "m", "champion", c, other.create_run(other_exp).info.run_id, {})["version"] == 1
     assert model_registry.fetch("models:/m/1", other_uri, tmp_path / "cache").joinpath(
         "model.safetensors").read_bytes() == b"weights-other"
     assert model_registry.fetch("models:/m/1", uri, tmp_path / "cache").joinpath(
@@ -111,7 +114,8 @@ def test_request_guard_checks_the_key_and_the_body():
     assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
     status, _, _ = _call(guard("s3cret"), "POST", b"{}", [(b"authorization", b"Bearer wrong")])
     assert status == 401
-    status, body, seen = _call(guard("s3cret"), "POST", b'{"a": 1, "max_tokens": 5}', [(b"authorization", b"Bearer s3cret")])
+    status, body, seen = _call(guard("s3cret"), "POST", b'{"a": 1, "max_tokens": 5}',
+                               [(b"authorization", b"Bearer s3cret")])
     assert (status, body, seen) == (200, b"ok", b'{"a": 1, "max_tokens": 5}')  # the body reaches the ingress unchanged
     # A request naming no max_tokens reaches the engine as it is: vLLM gives it the limit, capped by what
     # the context leaves (a limit above the context must not turn every such request into a 400).
@@ -140,7 +144,8 @@ def test_request_guard_enforces_the_sampling_limits():
         status, body, seen = _call(limited, "POST", bad)
         assert status == 400 and "must be an integer" in json.loads(body)["error"]["message"] and seen is None, bad
     assert "best_of: 3, above" in json.loads(_call(limited, "POST", b'{"best_of": 3}')[1])["error"]["message"]
-    assert _call(limited, "POST", b'{"top_logprobs": 4}')[0] == 400 and _call(limited, "POST", b'{"logprobs": 4}')[0] == 400
+    assert _call(limited, "POST", b'{"top_logprobs": 4}')[0] == 400 and \
+        _call(limited, "POST", b'{"logprobs": 4}')[0] == 400
     assert _call(limited, "POST", b'{"logprobs": true, "top_logprobs": 3}')[0] == 200  # chat's boolean logprobs
     status, body, seen = _call(limited, "POST", b'{"prompt": "' + b"x" * 3000 + b'"}')
     assert status == 413 and seen is None
@@ -153,9 +158,12 @@ COMPLETIONS, CHAT, EMBEDDINGS = "/v1/completions", "/v1/chat/completions", "/v1/
 MESSAGES = [{"role": "user", "content": "hi"}]
 L = "stages.serve.limits."
 TOO_MUCH = {  # id: (route, body, what the objection says)
-    "prompt list": (COMPLETIONS, {"prompt": ["x"] * 9, "max_tokens": 1}, f"prompt: 9 prompts, above {L}max_prompts (8)"),
-    "token-id prompts": (COMPLETIONS, {"prompt": [[1, 2]] * 9, "max_tokens": 1}, f"prompt: 9 prompts, above {L}max_prompts"),
-    "prompt_embeds list": (COMPLETIONS, {"prompt_embeds": ["AA=="] * 9}, f"prompt_embeds: 9 prompts, above {L}max_prompts"),
+    "prompt list": (COMPLETIONS, {"prompt": ["x"] * 9, "max_tokens": 1},
+                    f"prompt: 9 prompts, above {L}max_prompts (8)"),
+    "token-id prompts": (COMPLETIONS, {"prompt": [[1, 2]] * 9, "max_tokens": 1},
+                         f"prompt: 9 prompts, above {L}max_prompts"),
+    "prompt_embeds list": (COMPLETIONS, {"prompt_embeds": ["AA=="] * 9},
+                           f"prompt_embeds: 9 prompts, above {L}max_prompts"),
     "prompts x n x max_tokens": (COMPLETIONS, {"prompt": ["x"] * 4, "n": 2, "max_tokens": 16},
                                  f"may generate 128 tokens (4 prompt(s) x n 2 x max_tokens 16), above "
                                  f"{L}max_request_tokens (64)"),
@@ -171,12 +179,14 @@ TOO_MUCH = {  # id: (route, body, what the objection says)
                     f"stop: a string of 11 characters, above {L}max_word_chars (10)"),
     "logit_bias": (COMPLETIONS, {"logit_bias": {"1": 1, "2": 1, "3": 1, "4": 1}},
                    f"logit_bias: 4 entries, above {L}max_logit_bias (3)"),
-    "bad_words count": (COMPLETIONS, {"bad_words": ["a", "b", "c"]}, f"bad_words: 3 entries, above {L}max_bad_words (2)"),
+    "bad_words count": (COMPLETIONS, {"bad_words": ["a", "b", "c"]},
+                        f"bad_words: 3 entries, above {L}max_bad_words (2)"),
     "bad_words length": (CHAT, {"messages": MESSAGES, "bad_words": ["x" * 11]}, f"above {L}max_word_chars (10)"),
     "allowed_token_ids": (COMPLETIONS, {"allowed_token_ids": list(range(6))},
                           f"allowed_token_ids: 6 entries, above {L}max_token_ids (5)"),
     "stop_token_ids": (CHAT, {"messages": MESSAGES, "stop_token_ids": list(range(6))}, f"above {L}max_token_ids (5)"),
-    "logprob_token_ids": (COMPLETIONS, {"logprobs": 3, "logprob_token_ids": [1, 2, 3, 4]}, f"above {L}max_logprobs (3)"),
+    "logprob_token_ids": (COMPLETIONS, {"logprobs": 3, "logprob_token_ids": [1, 2, 3, 4]},
+                          f"above {L}max_logprobs (3)"),
     "prompt_logprobs": (COMPLETIONS, {"prompt_logprobs": 4}, f"prompt_logprobs: 4, above {L}max_logprobs (3)"),
     "chat prompt_logprobs": (CHAT, {"messages": MESSAGES, "prompt_logprobs": 4}, f"above {L}max_logprobs (3)"),
     "min_tokens": (COMPLETIONS, {"min_tokens": 33}, f"min_tokens: 33, above {L}max_tokens (32)"),
@@ -396,14 +406,16 @@ def test_pure_helpers():
     assert abs(percentile(list(map(float, range(1, 101))), 95) - 95.05) < 1e-9
     assert check_body(b'{"model": "x", "max_tokens": 4}') is None
     assert "not valid JSON" in check_body(b"")
-    assert key_tags({"eval_accuracy": 0.25, "kl": 1.0, "eval_reward": "x"}, ["eval_accuracy", "eval_reward", "acc"]) == \
+    assert key_tags({"eval_accuracy": 0.25, "kl": 1.0, "eval_reward": "x"},
+                    ["eval_accuracy", "eval_reward", "acc"]) == \
         {"metric.eval_accuracy": "0.25"}
 
 
 def test_batch_rows_keep_every_input_and_report_failures():
     cfg = BatchInferConfig()
     ok = request({"prompt": "What is 1 + 2?", "answer": "3", "id": 7}, cfg)
-    assert ok["messages"] == [{"role": "user", "content": "What is 1 + 2?"}] and ok["sampling_params"]["max_tokens"] == 32
+    assert ok["messages"] == [{"role": "user", "content": "What is 1 + 2?"}] and \
+        ok["sampling_params"]["max_tokens"] == 32
     bad = request({"prompt": "  ", "answer": "3", "id": 8}, cfg)
     # The processor answers ok with text; an error row comes back without postprocessing.
     row_ok = result({**ok, "generated_text": "1 + 2 = 3", "num_input_tokens": 9, "num_generated_tokens": 5})
@@ -456,7 +468,8 @@ def test_batch_throughput_is_the_generations_alone_and_start_up_is_reported_apar
     line = summary_line(summary)
     assert "20 tokens generated in 20.00s, 1.0 tokens/s; start-up 30.0s before the first request" in line
     nothing = summarize(rows[3:], 100.0, 155.0)  # no row answered: all of it was start-up
-    assert generation_span(rows[3:]) is None and (nothing["startup_s"], nothing["generation_tokens_per_s"]) == (55.0, 0.0)
+    assert generation_span(rows[3:]) is None and \
+        (nothing["startup_s"], nothing["generation_tokens_per_s"]) == (55.0, 0.0)
 
 
 def test_serve_config_errors_name_the_key(tmp_path):
@@ -532,7 +545,8 @@ def test_websockets_need_the_key_too_and_a_public_bind_needs_a_key(tmp_path):
     with pytest.raises(ConfigError, match="host 0.0.0.0 exposes the API beyond this machine without an API key"):
         smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0")
     # accepted with a key, or when told so, and bound where asked (a config object is always truthy: its fields say it)
-    keyed = smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0", "stages.serve.http.api_key_env=KEY").stages.serve.http
+    keyed = smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0",
+                         "stages.serve.http.api_key_env=KEY").stages.serve.http
     assert (keyed.host, keyed.api_key_env, keyed.allow_unauthenticated) == ("0.0.0.0", "KEY", False)
     opened = smoke_config(tmp_path, "stages.serve.http.host=0.0.0.0",
                           "stages.serve.http.allow_unauthenticated=true").stages.serve.http
@@ -665,5 +679,6 @@ def test_serve_refuses_a_reward_model_adapter_before_starting_ray(tmp_path, capf
     from conftest import cli_in_process
 
     reward = _adapter(tmp_path, "reward", kind="sequence")
-    result = cli_in_process(capfd, "serve", f"run_dir={tmp_path}", "--model", str(tmp_path), "--adapter", f"rm={reward}")
+    result = cli_in_process(capfd, "serve", f"run_dir={tmp_path}", "--model", str(tmp_path), "--adapter",
+                            f"rm={reward}")
     assert result.returncode == 2 and "SEQ_CLS" in result.stderr and "Ray" not in result.stderr, result.stderr[-2000:]

@@ -15,7 +15,8 @@ from pipeline.stage import StageContext
 
 def _members(cls) -> set[str]:
     """Annotated attributes, methods and properties of a Protocol class."""
-    return set(cls.__annotations__) | {n for n, v in vars(cls).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return set(cls.__annotations__) | {n for n, v in vars(cls).items() if not n.startswith("_")
+                                       and (callable(v) or isinstance(v, property))}
 
 
 INTERFACE = _members(StageContext)
@@ -56,7 +57,8 @@ def test_every_registered_stage_loads_with_its_hooks():
         stage = load(module)
         assert callable(stage.run) and callable(stage.raw_inputs) and callable(stage.always_runs)
         assert callable(stage.check) and callable(stage.wire)
-        assert stage.run.__annotations__.get("ctx") == "StageContext", f"{module}.run(cfg, ctx) is not typed with StageContext"
+        assert stage.run.__annotations__.get("ctx") == "StageContext", \
+            f"{module}.run(cfg, ctx) is not typed with StageContext"
     assert load("stages.serve").always_runs is vars(__import__("stages.serve", fromlist=["x"]))["always_runs"]
     assert load("stages.sft").raw_inputs(None) == []  # the documented default hook
     with pytest.raises(TypeError, match="no run"):

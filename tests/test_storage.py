@@ -293,7 +293,8 @@ def test_a_worker_pulls_the_artifact_its_node_lacks(node_storage, tmp_path):
     where, fs = node_storage.target(tmp_path / "node" / "checkpoints" / "sft" / "k")
     assert where == active_store.path("checkpoints/sft/k") and fs is not None
     copy = node_storage.artifacts.manifest("sft", "k")["copy"]  # an artifact's path: its current copy
-    assert node_storage.target(wanted / "weights.bin")[0] == active_store.path(f"artifacts/sft/k/{copy}/model/weights.bin")
+    assert node_storage.target(wanted / "weights.bin")[0] == \
+        active_store.path(f"artifacts/sft/k/{copy}/model/weights.bin")
     assert node_storage.target(tmp_path / "elsewhere") == (str(tmp_path / "elsewhere"), None)
 
 

@@ -147,7 +147,8 @@ def test_grpo_with_an_environment_raises_its_reward_and_logs_the_episodes(ray_lo
     from mlflow.tracking import MlflowClient
 
     cfg = smoke_config(smoke_trained(tmp_path), f"mlflow.tracking_uri={tracking_uri}", *TRAINED,
-                       "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true", "stages.ppo.rewards.model_weight=0",
+                       "stages.ppo.algorithm=grpo", "stages.ppo.rollout.async=true",
+                       "stages.ppo.rewards.model_weight=0",
                        "stages.ppo.rewards.rule_weight=0", "stages.ppo.environment.name=helpers.environments:TwoTurns",
                        "stages.ppo.environment.max_tokens=48", "stages.ppo.kl.coef=0.0", "stages.ppo.policy.lr=0.001",
                        "stages.ppo.iterations=14", "stages.ppo.ppo_epochs=2", "stages.ppo.checkpoint_every=14",
@@ -159,7 +160,8 @@ def test_grpo_with_an_environment_raises_its_reward_and_logs_the_episodes(ray_lo
     assert sorted(reward) == list(range(1, 15))
     first, last = sum(reward[i] for i in (1, 2, 3)) / 3, sum(reward[i] for i in (12, 13, 14)) / 3
     assert last > first + 0.1, reward
-    assert history("reward_mean") == pytest.approx(reward)  # the rule reward's weight is 0: the environment's is the score
+    # the rule reward's weight is 0: the environment's is the score
+    assert history("reward_mean") == pytest.approx(reward)
     assert all(v == 2 for v in history("turns_per_sample").values())  # 8 + ~12 + 8 tokens fit the budget of 48
     for key in ("tool_calls_per_sample", "tool_errors", "tool_s", "truncated_frac", "staleness"):
         assert len(history(key)) == 14, key

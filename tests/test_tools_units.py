@@ -41,7 +41,8 @@ def test_a_tool_environment_answers_calls_and_ends_on_a_plain_answer():
 
 
 def test_step_results_and_outputs_are_normalised():
-    assert as_step(([{"role": "user", "content": "again"}], 1, False)) == Step([{"role": "user", "content": "again"}], 1.0)
+    assert as_step(([{"role": "user", "content": "again"}], 1, False)) == \
+        Step([{"role": "user", "content": "again"}], 1.0)
     with pytest.raises(TypeError, match=r"Step or \(messages, reward, done\)"):
         as_step({"done": True})
     assert cap_output("x" * 5000, 100) == "x" * 100 + "... [4900 characters cut]"
@@ -131,7 +132,8 @@ def test_a_multi_turn_samples_mask_is_1_on_every_model_token_and_0_on_every_envi
     assert tok.decode([t for t, m in zip(sample["ids"], sample["mask"]) if not m]) == \
         "\n<|im_start|>tool\n20126<|im_end|>\n<|im_start|>assistant\n"
     assert sample["mask"].count(1) == len(ids(call)) + len(ids("The answer is 20126.<|im_end|>"))
-    assert sample["logprobs"][: len(ids(call))] == [-0.5] * len(ids(call)) and not any(sample["logprobs"][len(ids(call)):])
+    assert sample["logprobs"][: len(ids(call))] == [-0.5] * len(ids(call)) and \
+        not any(sample["logprobs"][len(ids(call)):])
     assert tok.decode(sample["ids"][slice(*sample["final"])]) == "The answer is 20126.<|im_end|>"
     # a turn cut before its end-of-turn token: the environment's tokens close it first
     assert tok.decode(Renderer(tok).tokens([messages[2]], close=True)) == \

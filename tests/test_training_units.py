@@ -143,7 +143,8 @@ def test_eval_batches_read_the_split_once_and_replay_only_a_complete_pass():
     assert list(batches) == [[0, 10], [20, 30], [40]] and Split.passes == 2  # replayed, no new execution
     # two ranks: each scores its contiguous share of every global batch of 4 (split_bounds: the first
     # ranks take the remainder of a short one), so every row is scored exactly once
-    rank0, rank1 = EvalBatches(Split(), 2, lambda b: list(b["x"]), 0, 2), EvalBatches(Split(), 2, lambda b: list(b["x"]), 1, 2)
+    rank0, rank1 = (EvalBatches(Split(), 2, lambda b: list(b["x"]), 0, 2),
+                    EvalBatches(Split(), 2, lambda b: list(b["x"]), 1, 2))
     assert list(rank0) == [[0, 1], [4]] and list(rank1) == [[2, 3]]
 
 

@@ -41,7 +41,8 @@ def sweep(smoke_upstream, tmp_path_factory, tracking_uri):
         cfg = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP, *store)
         first = run_pipeline(cfg, SMOKE, Console(quiet=True), to="tune")
         in_bucket = s3.store("tune").files(f"checkpoints/tune/{first['stages']['tune']['key']}")
-        tuned = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP, *store, "stages.sft.use_tuned=true")
+        tuned = smoke_config(run_dir, f"mlflow.tracking_uri={tracking_uri}", *SWEEP, *store,
+                             "stages.sft.use_tuned=true")
         second = run_pipeline(tuned, SMOKE, Console(quiet=True), to="sft")
     assert any(name.startswith("tune/sweep/") for name in in_bucket), sorted(in_bucket)[:20]
     assert not (run_dir / "checkpoints" / "tune" / first["stages"]["tune"]["key"] / "tune").exists()

@@ -24,8 +24,10 @@ SWEEP = ["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[1.0e
         (["stages.tune.target=sft", "stages.tune.search_space.lrr.choice=[0.1]"],
          "stages.tune.search_space.lrr: not a field of stages.sft; did you mean 'lr'?"),
         (["stages.tune.target=sft", "stages.tune.search_space.deepspeed.zero_stag.choice=[0]"],
-         "stages.tune.search_space.deepspeed.zero_stag: not a field of stages.sft.deepspeed; did you mean 'zero_stage'?"),
-        (["stages.tune.target=ppo", "stages.tune.metric=reward_mean", "stages.tune.search_space.policy.lrr.choice=[0.1]"],
+         "stages.tune.search_space.deepspeed.zero_stag: not a field of stages.sft.deepspeed; did you mean "
+         "'zero_stage'?"),
+        (["stages.tune.target=ppo", "stages.tune.metric=reward_mean",
+          "stages.tune.search_space.policy.lrr.choice=[0.1]"],
          "stages.tune.search_space.policy.lrr: not a field of stages.ppo.policy; did you mean 'lr'?"),
         (["stages.tune.target=sft", "stages.tune.search_space.lr.choice=[]"],
          "stages.tune.search_space.lr: choice is empty"),
@@ -34,7 +36,8 @@ SWEEP = ["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[1.0e
         (["stages.tune.target=sft", "stages.tune.search_space.deepspeed.choice=[0]"],
          "stages.tune.search_space.deepspeed: is a section, not a value"),
         (["stages.tune.target=sft", "stages.tune.search_space.lr.choice=[0.1, -1]"],
-         "stages.tune.search_space.lr: choice value -1 is invalid for stages.sft: stages.sft.lr: input should be greater than 0"),
+         "stages.tune.search_space.lr: choice value -1 is invalid for stages.sft: stages.sft.lr: input should be "
+         "greater than 0"),
         (["stages.tune.target=sft", "stages.tune.search_space.batch_size.choice=[8, 6]"],
          "stages.tune.search_space.batch_size: choice value 6 is invalid for stages.sft"),
         (["stages.tune.target=sft", "stages.tune.search_space.lr.loguniform=[0, 1]"],
@@ -62,10 +65,12 @@ def test_nested_and_dotted_field_paths_are_the_same_dimension(tmp_path):
 
 def test_the_progress_total_counts_every_grid_point(tmp_path):
     """A grid runs every value num_samples times: the progress line's total (it showed "trial 2/1")."""
-    grid = smoke_config(tmp_path, "stages.tune.num_samples=2", "stages.tune.search_space={lr: {grid: [0.001, 0.01, 0.1]}, "
+    grid = smoke_config(tmp_path, "stages.tune.num_samples=2",
+                        "stages.tune.search_space={lr: {grid: [0.001, 0.01, 0.1]}, "
                         "epochs: {grid: [1, 2]}, weight_decay: {uniform: [0.0, 0.1]}}").stages.tune
     assert trial_count(grid) == 2 * 3 * 2
-    plain = smoke_config(tmp_path, "stages.tune.num_samples=5", "stages.tune.search_space={lr: {loguniform: [1.0e-4, 1.0e-2]}}")
+    plain = smoke_config(tmp_path, "stages.tune.num_samples=5",
+                         "stages.tune.search_space={lr: {loguniform: [1.0e-4, 1.0e-2]}}")
     assert trial_count(plain.stages.tune) == 5
 
 
@@ -239,7 +244,8 @@ def test_a_forced_sweep_that_finds_new_values_reruns_its_target_in_the_same_run(
 
     def lr_used(summary) -> str:
         m = summary["stages"]["toy_target"]
-        return storage.output_paths(m, storage.artifact_dir(cfg.run_dir, "toy_target", m["key"]))["target_out"].read_text()
+        return storage.output_paths(
+            m, storage.artifact_dir(cfg.run_dir, "toy_target", m["key"]))["target_out"].read_text()
 
     (cfg.run_dir / "NEXT_LR").write_text("0.007")
     assert lr_used(run_pipeline(cfg, SMOKE, Console(quiet=True), registry=registry)) == "0.007"

@@ -214,7 +214,8 @@ def llm_kwargs(model: str, spec: EngineSpec, index: int) -> dict:
                   gpu_memory_utilization=spec.gpu_memory_utilization, worker_extension_cls=EXTENSION,
                   enable_prefix_caching=True, load_format="safetensors",  # never pickle weights (they can run code)
                   enable_chunked_prefill=spec.gpu)
-    if spec.tensor_parallel_size > 1 and spec.backend == "uni":  # its shards as processes of the actor, on the GPUs Ray gave the actor
+    # its shards as processes of the actor, on the GPUs Ray gave the actor
+    if spec.tensor_parallel_size > 1 and spec.backend == "uni":
         kwargs.update(tensor_parallel_size=spec.tensor_parallel_size, distributed_executor_backend="mp")
     if spec.max_num_batched_tokens is not None:  # vLLM wants it >= max_num_seqs (its default 256, 1024 on H100s)
         kwargs.update(max_num_batched_tokens=spec.max_num_batched_tokens,

@@ -46,7 +46,8 @@ class BuiltinModelConfig(Section):
     intermediate_size: int = Field(256, ge=8, description="Width of the MLP.")
     num_layers: int = Field(2, ge=1, description="Number of decoder layers.")
     num_heads: int = Field(4, ge=1, description="Attention heads (must divide hidden_size).")
-    num_kv_heads: int = Field(2, ge=1, description="Key/value heads for grouped-query attention (must divide num_heads).")
+    num_kv_heads: int = Field(2, ge=1,
+                              description="Key/value heads for grouped-query attention (must divide num_heads).")
     max_position_embeddings: int = Field(512, ge=16, description="Longest sequence the model accepts.")
     tie_word_embeddings: bool = Field(True, description="Share input and output embeddings (fewer parameters).")
 
@@ -381,7 +382,8 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_new_tokens: int
     return verified_share(*greedy_generate(model_dir, [r["prompt_ids"] for r in rows], max_new_tokens), rows, verifier)
 
 
-def verified_share(texts: list[str], cut: list[bool], rows: list[dict], verifier: str = "number") -> tuple[float, float]:
+def verified_share(texts: list[str], cut: list[bool], rows: list[dict],
+                   verifier: str = "number") -> tuple[float, float]:
     """(share of answers the task verifier (`task.verifier`) accepts for their rows' `answer`, share cut off)."""
     from stages.common.verifiers import verifier_function
 

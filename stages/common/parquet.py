@@ -49,7 +49,8 @@ def footer_readers(path: str | Path | list[Path]) -> int | None:
 
 
 def read_parquet(path: str | Path | list[Path], run_storage: RunStorage | None = None):
-    """`ray.data.read_parquet(path)` (a path, or a list of files), with the footer-reader pool sized by `footer_readers`.
+    """`ray.data.read_parquet(path)` (a path, or a list of files), with the footer-reader pool sized by
+    `footer_readers`.
 
     A path of the run's artifacts is read from the bucket when `run_storage` has one, so read tasks
     work on any node. Ray reads the pool setting when the read is planned (here, in the caller), so

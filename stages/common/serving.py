@@ -31,8 +31,10 @@ class EngineConfig(Section):
                                       "model's max_position_embeddings.")
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
                        description="Weights/activations dtype: auto (the checkpoint's), float32, bfloat16 or float16.")
-    max_num_seqs: int = Field(32, ge=1, description="Sequences an engine batches at once (concurrent requests it decodes together).")
-    kv_cache_gb: float = Field(1.0, gt=0, description="CPU only: GiB of RAM reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    max_num_seqs: int = Field(32, ge=1, description="Sequences an engine batches at once (concurrent requests it "
+                                                    "decodes together).")
+    kv_cache_gb: float = Field(1.0, gt=0,
+                               description="CPU only: GiB of RAM reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="Fraction of device memory vLLM may "
                                                  "use. Empty: 0.3 on CPU (it is a fraction of RAM there), 0.9 on GPU.")
     trust_remote_code: bool = Field(False, description="Run model code shipped inside the checkpoint. Off: only "

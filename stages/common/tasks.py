@@ -64,7 +64,8 @@ class TaskConfig(Section):
     calculator: float = Field(0.0, ge=0, le=1, description="Share of the generated SFT answers that call the "
                               "calculator tool instead of answering in their head: the assistant calls "
                               "calculator(expression), reads its result in a `tool` turn, then answers 'The answer is "
-                              "N.' (docs/tools.md). With stages.ppo.environment.name: calculator, RL learns when to call "
+                              "N.' (docs/tools.md). With stages.ppo.environment.name: calculator, RL learns when "
+                              "to call "
                               "it. 0: no tool calls (the default).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig, description="A gold preference over "
                                          "responses that labels the generated pairs and judges RL (empty: none).")
@@ -77,7 +78,8 @@ class TaskConfig(Section):
     @field_validator("verifier")
     @classmethod
     def _verifier_form(cls, v: str) -> str:
-        builtins = ("number", "exact", "choice", "regex", "math")  # stages.common.verifiers.BUILTINS (import stays light)
+        # stages.common.verifiers.BUILTINS (import stays light)
+        builtins = ("number", "exact", "choice", "regex", "math")
         if v not in builtins and (":" not in v or not all(v.split(":", 1))):
             raise ValueError(f"must be one of {', '.join(builtins)} or 'module:function', got {v!r}")
         return v

@@ -51,8 +51,10 @@ class GenerateConfig(Section):
     sources are given at all, else 0 (a user's own data is never topped up with generated arithmetic unless
     asked, and a kind with its own sources is never mixed with it)."""
 
-    sft: int | None = Field(None, ge=0, description="SFT conversations to generate (unset: 4000 without sources, else 0).")
-    preference: int | None = Field(None, ge=0, description="Preference pairs to generate (unset: 2000 without sources, else 0).")
+    sft: int | None = Field(None, ge=0,
+                            description="SFT conversations to generate (unset: 4000 without sources, else 0).")
+    preference: int | None = Field(None, ge=0,
+                                   description="Preference pairs to generate (unset: 2000 without sources, else 0).")
     prompts: int | None = Field(None, ge=0, description="RL prompts with reference answers to generate (unset: 1000 "
                                 "without sources, else 0).")
 
@@ -64,13 +66,18 @@ class GenerateConfig(Section):
 class DataConfig(Section):
     """The data stage."""
 
-    sources: SourcesConfig = Field(default_factory=SourcesConfig, description="Raw sources per row kind (docs/data.md).")
+    sources: SourcesConfig = Field(default_factory=SourcesConfig,
+                                   description="Raw sources per row kind (docs/data.md).")
     generate: GenerateConfig = Field(default_factory=GenerateConfig, description="Generated rows per kind.")
-    max_len: int = Field(128, ge=8, le=65536, description="Tokens per row; longer SFT rows are truncated, longer pairs/prompts dropped.")
-    pack: bool = Field(False, description="Pack several SFT conversations into each max_len row (position ids restart per conversation).")
-    eval_fraction: float = Field(0.05, gt=0, lt=1, description="Share of prompts held out for evaluation (by seeded hash of the prompt).")
+    max_len: int = Field(128, ge=8, le=65536,
+                         description="Tokens per row; longer SFT rows are truncated, longer pairs/prompts dropped.")
+    pack: bool = Field(False, description="Pack several SFT conversations into each max_len row (position ids restart "
+                                          "per conversation).")
+    eval_fraction: float = Field(0.05, gt=0, lt=1,
+                                 description="Share of prompts held out for evaluation (by seeded hash of the prompt).")
     dedupe: bool = Field(True, description="Drop exact duplicate rows within each kind.")
-    on_bad_rows: Literal["drop", "fail"] = Field("drop", description="'drop': skip invalid rows and count them; 'fail': stop at the first, naming file and line.")
+    on_bad_rows: Literal["drop", "fail"] = Field("drop", description="'drop': skip invalid rows and count them; "
+                                                                     "'fail': stop at the first, naming file and line.")
     system_prompt: str | None = Field(None, description="System message prepended to conversations that have none.")
     batch_size: int = Field(256, ge=1, description="Rows per Ray Data batch for validation and tokenization.")
     tokenizer_actors: int = Field(2, ge=1, description="Processes that tokenize at once (Ray Data tasks; each process "
@@ -335,12 +342,17 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
         late = {s.split(":", 1)[1]: n for (k, s), n in per_kind.items() if k == kind and s.startswith("invalid:")}
         if late and cfg.on_bad_rows == "fail":
             raise DataError(f"{sum(late.values())} {kind} row(s) the chat template cannot render: "
-                            f"{_first_invalid(tokens, kind)} (or set stages.data.on_bad_rows=drop to skip and count them)")
-        reasons = {code: bad.get((kind, code), 0) + late.get(code, 0) for code in sorted({c for k, c in bad if k == kind} | set(late))}
-        metrics |= {f"{kind}_rows_bad": sum(reasons.values()), **{f"{kind}_rows_bad_{c}": n for c, n in reasons.items()},
-                    f"{kind}_rows_duplicate": valid.get((kind,), 0) + (valid.get(("eval",), 0) if kind == "prompts" else 0)
+                            f"{_first_invalid(tokens, kind)} (or set stages.data.on_bad_rows=drop to skip and count "
+                            f"them)")
+        reasons = {code: bad.get((kind, code), 0) + late.get(code, 0)
+                   for code in sorted({c for k, c in bad if k == kind} | set(late))}
+        metrics |= {f"{kind}_rows_bad": sum(reasons.values()),
+                    **{f"{kind}_rows_bad_{c}": n for c, n in reasons.items()},
+                    f"{kind}_rows_duplicate": valid.get((kind,), 0)
+                    + (valid.get(("eval",), 0) if kind == "prompts" else 0)
                     - unique,
-                    f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items() if k == kind and s.startswith("dropped"))}
+                    f"{kind}_rows_too_long": sum(n for (k, s), n in per_kind.items()
+                                                 if k == kind and s.startswith("dropped"))}
         for split in ("train", "eval"):
             rows, n_tokens, unpaired = _write(tokens, kind, split, cfg, ctx.out_dir / kind / split, ctx.storage)
             metrics |= {f"{kind}_{split}_rows": rows, f"{kind}_{split}_tokens": n_tokens}
@@ -362,7 +374,8 @@ def run(cfg: DataConfig, ctx: StageContext) -> dict[str, Path]:
                if kind == "preference" else {}),
         }, indent=2))
         ctx.progress(f"{kind}: {metrics[f'{kind}_train_rows']} train / {metrics[f'{kind}_eval_rows']} eval rows "
-                     f"({metrics[f'{kind}_rows_bad']} invalid{_reasons(reasons)}, {metrics[f'{kind}_rows_duplicate']} duplicate, "
+                     f"({metrics[f'{kind}_rows_bad']} invalid{_reasons(reasons)}, {metrics[f'{kind}_rows_duplicate']} "
+                     f"duplicate, "
                      f"{metrics[f'{kind}_rows_too_long']} too long dropped)")
     written = clock.mark("write")
     ctx.progress(f"tokenized in {tokenized:.1f}s (each process's tokenizer load included), written in {written:.1f}s")

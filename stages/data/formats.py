@@ -9,9 +9,14 @@ Three kinds of rows feed the pipeline; each kind accepts the formats people alre
 | `sft`        | `sharegpt`          | `conversations`: [{`from`: human/gpt/system/tool, `value`}]          |
 | `sft`        | `alpaca`            | `instruction`, optional `input`, `output` (optional `system`)         |
 | `sft`        | `prompt_completion` | `prompt` + `completion` (or `response`), strings or message lists    |
-| `preference` | `preference`        | `prompt` + `chosen` + `rejected`, strings or message lists (TRL's conversational shape, the prompt explicit or the shared prefix of `chosen` and `rejected`) |
-| `preference` | `unpaired`          | `prompt` + `completion` + `label` (TRL's unpaired preference shape: true/1/"desirable" or false/0/"undesirable"); only `stages.dpo.loss: kto` trains on them |
-| `prompts`    | `prompts`           | `prompt` (string or message list), optional `answer`, any other columns (kept for reward functions) |
+| `preference` | `preference`        | `prompt` + `chosen` + `rejected`, strings or message lists (1)       |
+| `preference` | `unpaired`          | `prompt` + `completion` + `label` (2)                                |
+| `prompts`    | `prompts`           | `prompt` (string or message list), optional `answer`, other columns (3) |
+
+(1) TRL's conversational shape, the prompt explicit or the shared prefix of `chosen` and `rejected`.
+(2) TRL's unpaired preference shape: true/1/"desirable" or false/0/"undesirable"; only `stages.dpo.loss: kto`
+trains on them.
+(3) Any other columns, kept for reward functions.
 
 `detect_format` picks a format from a row's columns (`auto`); `map_columns` applies a source's
 column mapping first (`columns: {prompt: question}` reads the user's `question` as `prompt`).
@@ -132,7 +137,8 @@ def _content(value: Any, where: str, role: str) -> str:
         for j, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise RowError("non_text_content", f"{where}.content[{j}] is a part of type {kind or type(part).__name__!r}: only "
+                raise RowError("non_text_content",
+                               f"{where}.content[{j}] is a part of type {kind or type(part).__name__!r}: only "
                                "text parts are supported (this pipeline trains text models); drop the part or the row")
             texts.append(part["text"])
         return "".join(texts)
@@ -229,7 +235,8 @@ def _sft(row: dict, fmt: str) -> list[dict]:
     if fmt == "sharegpt":
         return _check_conversation(_message_list(row.get("conversations"), "conversations", SHAREGPT_ROLES))
     if fmt == "alpaca":
-        instruction, extra, output = _text(row, "instruction"), _text(row, "input", required=False), _text(row, "output")
+        instruction, extra, output = (_text(row, "instruction"), _text(row, "input", required=False),
+                                      _text(row, "output"))
         system = _text(row, "system", required=False)
         user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         return ([{"role": "system", "content": system}] if system.strip() else []) + [
@@ -271,13 +278,16 @@ def _preference(row: dict) -> dict:
     chosen, rejected = _reply(chosen_turns, "chosen"), _reply(rejected_turns, "rejected")
     if chosen == rejected:
         raise RowError("identical_pair", "'chosen' and 'rejected' are identical")
-    out = {"key": prompt_turns[-1]["content"], "prompt": prompt_turns[-1]["content"], "chosen": chosen, "rejected": rejected}
+    out = {"key": prompt_turns[-1]["content"], "prompt": prompt_turns[-1]["content"], "chosen": chosen,
+           "rejected": rejected}
     if prompt_turns != [{"role": "user", "content": out["prompt"]}]:
         out["messages"] = prompt_turns
     return out
 
 
-LABELS = {True: True, False: False, 1: True, 0: False, "true": True, "false": False, "1": True, "0": False,
+# 1 and 0 are the keys True and False (equal, same hash) with the same values: written out for the reader.
+LABELS = {True: True, False: False, 1: True, 0: False,  # noqa: F601 - see above: a repeat, not a conflict
+          "true": True, "false": False, "1": True, "0": False,
           "desirable": True, "undesirable": False, "yes": True, "no": False}
 
 

@@ -54,7 +54,8 @@ def render_with_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False).rstrip()
         if not (text.startswith(upto) and upto.startswith(before)):
-            raise ValueError("the tokenizer's chat template does not render prefixes stably; cannot mask assistant turns")
+            raise ValueError("the tokenizer's chat template does not render prefixes stably; cannot mask assistant "
+                             "turns")
         spans.append((len(before), len(upto)))
     return text, spans
 
@@ -141,7 +142,8 @@ def _validate_batch(batch, kind: str, source: str, fmt: str, columns: dict, json
     return pa.table(out)
 
 
-def read_kind(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: int, eval_groups: frozenset | None = None):
+def read_kind(kind: str, source: SourceConfig | list[dict], cfg: DataConfig, seed: int,
+              eval_groups: frozenset | None = None):
     """A lazy Ray dataset of validated rows from one source or from generated rows."""
     import ray.data
 
@@ -231,7 +233,8 @@ class Tokenize:
             return {"prompt": row["key"], "input_ids": ids, "loss_mask": mask}, any(mask)
         prompt = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         if kind == "preference" and "label" in row:  # unpaired (KTO): one conversation, the absent side masked out
-            ids, mask = self._conversation(prompt + [{"role": "assistant", "content": row["chosen"] or row["rejected"]}])
+            ids, mask = self._conversation(prompt
+                                           + [{"role": "assistant", "content": row["chosen"] or row["rejected"]}])
             none = [0] * len(ids)
             out = {"prompt": row["prompt"], "chosen": row["chosen"], "rejected": row["rejected"],
                    "chosen_input_ids": ids, "chosen_loss_mask": mask if row["label"] else none,
@@ -247,7 +250,8 @@ class Tokenize:
         text = self.tok.apply_chat_template(self._with_system(prompt), tokenize=False, add_generation_prompt=True)
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
         extra = json.dumps(row["extra"], sort_keys=True) if row.get("extra") else ""
-        return {"prompt": row["prompt"], "answer": row["answer"], "prompt_ids": ids, "extra": extra}, len(ids) < self.max_len
+        return {"prompt": row["prompt"], "answer": row["answer"], "prompt_ids": ids,
+                "extra": extra}, len(ids) < self.max_len
 
     def __call__(self, batch):
         rows = []

@@ -5,8 +5,8 @@ policy (trainable, from the SFT model), critic (trainable, from the reward model
 reference (frozen SFT model, for the KL penalty; with `policy.lora` the policy itself with its
 adapter switched off, so no second copy is started) and reward (the reward model; used when
 `rewards.model_weight` is not 0). Rollouts come from `rollout.num_engines` vLLM engines, each a
-Ray actor (`stages/common/engines.py`, shared with SFT's evaluation); policy ranks send their share of the prompts to engines
-themselves (any rank can call any engine). The score of a response mixes the reward model and a
+Ray actor (`stages/common/engines.py`, shared with SFT's evaluation); policy ranks send their share of the prompts to
+engines themselves (any rank can call any engine). The score of a response mixes the reward model and a
 rule reward (the task verifier, or your own `module:function`) by `rewards.*_weight`.
 
 The driver is one loop, `run()`, reading top to bottom on one screen:
@@ -376,7 +376,8 @@ def _log(s: Session, cfg: PPOConfig, ctx: StageContext, loop: _Loop, it: int, sc
     gen_tokens = float(mask.sum())
     rm, spread = sc.rm_scores, sc.rm_spread
     metrics = {
-        "reward_mean": float(torch.tensor(sc.scores).mean()), "rule_reward_mean": sum(sc.rule_scores) / len(sc.rule_scores),
+        "reward_mean": float(torch.tensor(sc.scores).mean()),
+        "rule_reward_mean": sum(sc.rule_scores) / len(sc.rule_scores),
         "kl": seq_kl, "kl_coef": loop.kl_ctl.value, "response_length": gen_tokens / n,
         # cut off by sampling.max_new_tokens (or environment max_turns / max_tokens)
         "truncated_frac": sum(not x["finished"] for x in sc.flat) / len(sc.flat),

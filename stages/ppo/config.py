@@ -103,7 +103,8 @@ class RolloutConfig(Section):
                              "memory while the rank trains (vLLM's sleep mode), gpu_memory_utilization its share while "
                              "awake. Nothing to release on CPU (vLLM's CPU worker has no sleep mode).")
     sleep_level: Literal[1, 2] = Field(2, description="With sleep_mode: 2 discards the weights asleep, the sync loads "
-                                       "them (TRL's order); 1 copies them to CPU memory and back (stages/ppo/sleep.py).")
+                                       "them (TRL's order); 1 copies them to CPU memory and back "
+                                       "(stages/ppo/sleep.py).")
     max_num_batched_tokens: int | None = Field(None, ge=1, description="Tokens each engine schedules per step (vLLM's "
         "key; empty: its default; set, at most min(it, 256) sequences run at once, as vLLM requires). On CPU (no "
         "chunked prefill) at least the longest prompt plus max_new_tokens.")
@@ -124,7 +125,8 @@ class KLConfig(Section):
 
     estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator (Schulman's k1/k2/k3).")
     coef: float = Field(0.05, ge=0, description="KL coefficient (start value if adaptive).")
-    controller: Literal["fixed", "adaptive"] = Field("fixed", description="Keep the coefficient, or steer KL to `target`.")
+    controller: Literal["fixed", "adaptive"] = Field("fixed",
+                                                     description="Keep the coefficient, or steer KL to `target`.")
     target: float = Field(1.0, gt=0, description="Adaptive controller: target KL per sequence.")
     horizon: int = Field(10000, ge=1, description="Adaptive controller: horizon in sequences.")
     importance_weighted: bool = Field(False, description="Group algorithms (KL in the loss, k3): multiply each "
@@ -178,7 +180,8 @@ class DistillConfig(Section):
                 model = find_policy(given).model_dir
             except UserError as exc:
                 raise ValueError(f"{given}: not a model directory (no config.json) nor a run's policy ({exc}); give "
-                                 "a local HF checkpoint, a policy stage's artifact directory or a run directory") from None
+                                 "a local HF checkpoint, a policy stage's artifact directory or a run "
+                                 "directory") from None
             if not (model / "config.json").is_file():
                 raise ValueError(f"{given}: its policy {model} has no config.json (a half-written artifact?)")
         problem = checkpoint_safety_problem(model)
@@ -213,7 +216,8 @@ class OverlongConfig(Section):
 class RewardMix(Section):
     """What a response scores: reward model and rule reward, mixed by weight."""
 
-    model_weight: float = Field(0.0, description="Weight of the reward model's score (0: the reward model is not loaded).")
+    model_weight: float = Field(0.0,
+                                description="Weight of the reward model's score (0: the reward model is not loaded).")
     rule_weight: float = Field(1.0, description="Weight of the rule reward.")
     rule: str = Field("verifier", description="'verifier' (1 if task.verifier accepts the answer, else 0), "
                       "'code_tests' (the response's Python judged by the row's MBPP or HumanEval tests in a sandbox: 1 "
@@ -222,7 +226,8 @@ class RewardMix(Section):
     workers: int = Field(2, ge=1, description="Ray actors that run a 'module:function' or code_tests rule reward, "
                          "or a 'module:function' task.verifier, in parallel (a built-in verifier runs in the driver).")
     timeout_s: float = Field(30.0, gt=0, description="Per call of a 'module:function' or code_tests rule reward: "
-                             "a call still running after this scores timeout_score, is counted (rule_timeouts) and its worker is killed "
+                             "a call still running after this scores timeout_score, is counted (rule_timeouts) and its "
+                             "worker is killed "
                              "and replaced, whatever the code is doing.")
     timeout_score: float = Field(0.0, description="The rule reward of a call that timed out, raised or returned "
                                  "no finite number (rule_timeouts / rule_errors per iteration in MLflow, on the "
@@ -368,14 +373,16 @@ class PPOConfig(Section):
         "separate", description="'colocated': one Ray actor per policy rank holds the policy, its own vLLM engine "
         "(in process; weights loaded in place), the frozen roles and the critic; the roles take turns and follow "
         "policy.num_ranks, one engine per rank (rollout.sleep_mode on GPUs); not with rollout.async or an "
-        "environment. 'separate': every role on ranks of its own, engines as actors of their own (docs/rl.md, Layouts).")
+        "environment. 'separate': every role on ranks of its own, engines as actors of their own (docs/rl.md, "
+        "Layouts).")
     policy: TrainedRole = Field(default_factory=lambda: TrainedRole(num_ranks=2), description="The policy role.")
     critic: TrainedRole = Field(default_factory=lambda: TrainedRole(lr=1e-4), description="The critic role (PPO).")
     reference: ReferenceRole = Field(default_factory=ReferenceRole, description="The frozen reference role.")
     reward: FrozenRole = Field(default_factory=FrozenRole, description="The reward-model role.")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of each role's ranks.")
-    checkpoint_every: int = Field(5, ge=1, description="Checkpoint policy and critic every N iterations (and at the end).")
+    checkpoint_every: int = Field(5, ge=1,
+                                  description="Checkpoint policy and critic every N iterations (and at the end).")
     eval_prompts: int | None = Field(None, ge=0, description="Held-out prompts scored before and after PPO "
                                      "(empty: every held-out prompt; 0: skip).")
     eval_every: int | None = Field(None, ge=1, description="Every N iterations (and before the first): the "
@@ -390,7 +397,8 @@ class PPOConfig(Section):
     log_samples: int = Field(4, ge=0, description="Sampled completions (with prompt, answer and reward) attached to "
                              "the MLflow run every iteration as samples/iter_NNNN.json (0: none).")
     eval_samples: int = Field(8, ge=0, description="Besides the greedy answer, sample this many responses per held-out "
-                              "prompt (rollout sampling, fixed seed) and compare their mean scores too (0: greedy only).")
+                              "prompt (rollout sampling, fixed seed) and compare their mean scores too (0: greedy "
+                              "only).")
     use_tuned: bool = Field(False, description="Use the best values of the tune stage's sweep over ppo (needs "
                             "stages.tune with target: ppo).")
 

@@ -220,8 +220,10 @@ def parse_turn(text: str, parser) -> tuple[dict, str | None]:
         try:
             args = json.loads(call.function.arguments) if call.function.arguments else {}
         except ValueError:
-            return {"role": "assistant", "content": text}, f"tool call arguments are not JSON: {call.function.arguments!r}"
-        calls.append({"type": "function", "id": f"call_{i}", "function": {"name": call.function.name, "arguments": args}})
+            return {"role": "assistant",
+                    "content": text}, f"tool call arguments are not JSON: {call.function.arguments!r}"
+        calls.append({"type": "function", "id": f"call_{i}",
+                      "function": {"name": call.function.name, "arguments": args}})
     return {"role": "assistant", "content": info.content or "", "tool_calls": calls}, None
 
 

@@ -87,7 +87,8 @@ class _Heartbeat:
         within = self.within(now, user_code, oldest)
         # Said when it must shrink (the user's code may run next), when it grows by more than a beat's worth
         # (only vLLM runs next: a long prefill must not outlast a tight promise), and every HEARTBEAT_S.
-        if not force and now - self.last < HEARTBEAT_S and self.until - 1e-3 <= now + within <= self.until + HEARTBEAT_S:
+        if not force and now - self.last < HEARTBEAT_S and \
+                self.until - 1e-3 <= now + within <= self.until + HEARTBEAT_S:
             return None
         self.last, self.until = now, now + within
         return {"within": within}
@@ -311,7 +312,8 @@ class AgentEngine(RolloutEngine):
                 engine.abort_request(list(active))
             pool.shutdown(wait=False, cancel_futures=True)
         running = sum(not f.done() for f in abandoned)
-        yield {"result": [[self._result(ep, tok) for ep in episodes[i * n:(i + 1) * n]] for i in range(len(prompt_ids))],
+        yield {"result": [[self._result(ep, tok) for ep in episodes[i * n:(i + 1) * n]]
+                          for i in range(len(prompt_ids))],
                "retire": f"{running} call(s) of the environment {spec.name} still running after tool_timeout_s="
                          f"{spec.tool_timeout_s:g} s" if running else ""}
 

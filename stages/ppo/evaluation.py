@@ -91,7 +91,8 @@ def finish(s: Session, cfg: PPOConfig, ctx: StageContext, before: dict | None, m
         ctx.log_dict(trend["curve"], "overoptimisation.json")
     if before is not None:
         before, before_gold = before
-        after, after_gold = evaluate(s.layout, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments, s.verify,
+        after, after_gold = evaluate(s.layout, s.eval_rows, s.tok, s.role("reward"), cfg, s.rule, s.gold, s.moments,
+                                     s.verify,
                                      s.episode, s.env_budget, ctx.progress)
         final.update(eval_prompts=len(s.eval_rows), **compare(before, after))
         if before_gold is not None and after_gold is not None:  # sampled answers, judged by the gold preference
@@ -105,7 +106,8 @@ def finish(s: Session, cfg: PPOConfig, ctx: StageContext, before: dict | None, m
                          f"{final[f'eval_{key}_before']:.3f} -> {final[f'eval_{key}']:.3f} "
                          f"({final[f'eval_{key}_improved']} prompts up, {final[f'eval_{key}_worsened']} down, "
                          f"sign test p {final[f'eval_{key}_sign_test_p']:.2g})")
-        cut = {k: (final[f"eval_{k}_before"], final[f"eval_{k}"]) for k in ("truncated", "sampled_truncated") if k in before}
+        cut = {k: (final[f"eval_{k}_before"], final[f"eval_{k}"]) for k in ("truncated", "sampled_truncated")
+               if k in before}
         if any(v for pair in cut.values() for v in pair):
             ctx.progress("held-out answers cut off at sampling.max_new_tokens="
                          f"{cfg.sampling.max_new_tokens} (scored as given): " + ", ".join(

@@ -111,7 +111,8 @@ class ModelGroup:
         remote = ray.remote(concurrency_groups=groups)(actor_cls) if groups else ray.remote(actor_cls)
         self.actors = [
             remote.options(num_cpus=cpus_per_rank, num_gpus=float(gpu), runtime_env=runtime_env,
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg,
+                                                                                placement_group_bundle_index=r))
             .remote(name, r, num_ranks, env or {})
             for r in range(num_ranks)
         ]

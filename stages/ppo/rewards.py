@@ -47,7 +47,7 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.errors import StageError, UserError
+from pipeline.errors import StageError
 
 BUILTIN = {"code_tests": "stages.ppo.sandbox:code_tests"}
 FIXED = ("prompt", "response", "completion", "answer", "row")

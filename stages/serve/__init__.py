@@ -47,7 +47,8 @@ class RegistryConfig(Section):
     model_name: str = Field("posttrain-policy", min_length=1, description="Registered model name.")
     alias: str = Field("champion", min_length=1, description="Alias moved to the served version (models:/NAME@ALIAS).")
     metric_tags: list[str] = Field(["accuracy", "eval_accuracy", "eval_reward", "reward_mean"],
-                                   description="Metrics of the source stage copied onto the version as tags (those it has).")
+                                   description="Metrics of the source stage copied onto the version as tags (those it "
+                                               "has).")
 
     @field_validator("alias")
     @classmethod
@@ -122,7 +123,8 @@ class ServeConfig(Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Limits on the work of one request "
                                  "(every POST route; 400 naming the limit above them).")
     smoke: SmokeConfig = Field(default_factory=SmokeConfig, description="Load sent after deploying.")
-    block: bool = Field(False, description="Keep serving after the smoke load until Ctrl-C (the stage then always runs).")
+    block: bool = Field(False,
+                        description="Keep serving after the smoke load until Ctrl-C (the stage then always runs).")
 
     @model_validator(mode="after")
     def _smoke_within_limits(self):
@@ -147,7 +149,8 @@ def check(pipeline_cfg) -> None:
     if serve is None:
         return
     if serve.source is None:  # sections are frozen once validated
-        last = "policy_model" if stages.ppo else "dpo_model" if stages.dpo else "sft_model" if stages.sft else "base_model"
+        last = "policy_model" if stages.ppo else "dpo_model" if stages.dpo else "sft_model" if stages.sft else \
+            "base_model"
         serve = serve.model_copy(update={"source": last})
         object.__setattr__(stages, "serve", serve)
     check_source("stages.serve.source", serve.source, stages)

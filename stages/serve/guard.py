@@ -301,7 +301,8 @@ class RequestGuard:
 
     async def _reply(self, send, status: int, message: str, kind: str) -> None:
         body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
-        headers = [(b"content-type", b"application/json")] + ([(b"www-authenticate", b"Bearer")] if status == 401 else [])
+        headers = [(b"content-type", b"application/json")] + ([(b"www-authenticate", b"Bearer")] if status == 401
+                                                              else [])
         if status == 503:
             headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})

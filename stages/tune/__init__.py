@@ -72,7 +72,8 @@ class Dimension(Section):
     """One search-space dimension: exactly one of the four keys."""
 
     uniform: tuple[float, float] | None = Field(None, description="[low, high]: a float drawn uniformly.")
-    loguniform: tuple[float, float] | None = Field(None, description="[low, high], low > 0: a float drawn uniformly in log space.")
+    loguniform: tuple[float, float] | None = Field(None, description="[low, high], low > 0: a float drawn uniformly in "
+                                                                     "log space.")
     choice: list[Any] | None = Field(None, description="Values drawn at random, one per trial.")
     grid: list[Any] | None = Field(None, description="Every value is tried (times num_samples); random search only.")
 
@@ -80,7 +81,8 @@ class Dimension(Section):
     def _one_kind(self) -> "Dimension":
         given = [k for k in ("uniform", "loguniform", "choice", "grid") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of uniform, loguniform, choice, grid (got {', '.join(given) or 'none'})")
+            raise ValueError(f"give exactly one of uniform, loguniform, choice, grid (got "
+                             f"{', '.join(given) or 'none'})")
         kind, value = given[0], getattr(self, given[0])
         if kind in ("choice", "grid") and not value:
             raise ValueError(f"{kind} is empty; list at least one value, e.g. {kind}: [1.0e-3, 3.0e-3]")
@@ -102,10 +104,14 @@ class Dimension(Section):
 class SchedulerConfig(Section):
     """The trial scheduler."""
 
-    type: Literal["asha", "fifo"] = Field("asha", description="'asha': stop poor trials at rungs; 'fifo': run every trial to the end.")
-    grace_period: int = Field(4, ge=1, description="ASHA: steps (PPO: iterations) a trial runs before it can be stopped.")
-    reduction_factor: float = Field(2.0, gt=1, description="ASHA: keep the best 1/reduction_factor of trials at each rung.")
-    max_t: int | None = Field(None, ge=1, description="ASHA: steps after which a trial is stopped regardless (empty: no limit).")
+    type: Literal["asha", "fifo"] = Field("asha", description="'asha': stop poor trials at rungs; 'fifo': run every "
+                                                              "trial to the end.")
+    grace_period: int = Field(4, ge=1,
+                              description="ASHA: steps (PPO: iterations) a trial runs before it can be stopped.")
+    reduction_factor: float = Field(2.0, gt=1,
+                                    description="ASHA: keep the best 1/reduction_factor of trials at each rung.")
+    max_t: int | None = Field(None, ge=1,
+                              description="ASHA: steps after which a trial is stopped regardless (empty: no limit).")
 
 
 class ResourcesConfig(Section):
@@ -123,14 +129,16 @@ class TuneConfig(Section):
         ..., min_length=1, description="Field path of the target's config (e.g. 'lr', 'deepspeed.zero_stage', "
         "'policy.lr') -> {uniform|loguniform|choice|grid: ...}.")
     num_samples: int = Field(4, ge=1, description="Trials to sample (with grid dimensions: repeats of the whole grid).")
-    metric: str = Field("eval_loss", description="Reported metric that ranks trials (docs/tune.md lists each target's).")
+    metric: str = Field("eval_loss",
+                        description="Reported metric that ranks trials (docs/tune.md lists each target's).")
     mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher metric is better.")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Early stopping of poor trials.")
     search_alg: Literal["random", "optuna", "hyperopt"] = Field(
         "random", description="'random' (also runs grids; seeded by `seed`); 'optuna'/'hyperopt' need their package.")
     max_concurrent_trials: int = Field(
         1, ge=1, description="Trials running at once. Each holds its driver's resources plus the target's workers.")
-    resources_per_trial: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Each trial driver's resources.")
+    resources_per_trial: ResourcesConfig = Field(default_factory=ResourcesConfig,
+                                                 description="Each trial driver's resources.")
 
     @field_validator("search_space", mode="before")
     @classmethod
@@ -161,7 +169,8 @@ class TuneConfig(Section):
             import importlib.util
 
             if importlib.util.find_spec(package) is None:
-                raise ValueError(f"search_alg: {self.search_alg!r} needs the {package} package; `pip install {package}` "
+                raise ValueError(f"search_alg: {self.search_alg!r} needs the {package} package; `pip install "
+                                 f"{package}` "
                                  "or use search_alg: random")
             grids = [k for k, d in self.search_space.items() if d.kind == "grid"]
             if grids:
@@ -225,7 +234,8 @@ def _progress_callback(metric: str, mode: str, trials: int):
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if isinstance(result.get(metric), (int, float)):
-                self.best = result[metric] if self.best is None else (min if mode == "min" else max)(self.best, result[metric])
+                self.best = result[metric] if self.best is None else \
+                    (min if mode == "min" else max)(self.best, result[metric])
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             self._advance(trial, "ended")
@@ -336,7 +346,8 @@ def check(pipeline_cfg) -> None:
             try:
                 with_values(target, {path: value}, prefix=f"stages.{tune.target}")
             except ValueError as exc:
-                raise ValueError(f"{key}: {dim.kind} value {value!r} is invalid for stages.{tune.target}: {exc}") from None
+                raise ValueError(f"{key}: {dim.kind} value {value!r} is invalid for stages.{tune.target}: "
+                                 f"{exc}") from None
     have = pipeline_cfg.ray.local_cpus()
     per_trial = tune.resources_per_trial.cpu + (target.cpus_needed() if tune.target == "ppo" else target.num_workers)
     if have is not None and per_trial * tune.max_concurrent_trials > have:
@@ -384,7 +395,8 @@ def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
     trainable = tune.with_resources(tune.with_parameters(_trial, setup=setup),
                                     {"cpu": cfg.resources_per_trial.cpu, "gpu": cfg.resources_per_trial.gpu})
     ctx.progress(f"sweeping {cfg.target} over {', '.join(cfg.search_space)}: {trial_count(cfg)} trials, "
-                 f"{cfg.scheduler.type} scheduler, {cfg.max_concurrent_trials} at a time, ranked by {cfg.metric} ({cfg.mode})")
+                 f"{cfg.scheduler.type} scheduler, {cfg.max_concurrent_trials} at a time, ranked by {cfg.metric} "
+                 f"({cfg.mode})")
     t0 = time.time()
     # Not every report carries the metric (checkpoint-only reports; sft's accuracy comes at the end):
     # ASHA skips those, but Tune's strict check would fail the sweep. A metric no trial reports at
@@ -396,7 +408,8 @@ def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
         tune_config=tune.TuneConfig(metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
                                     scheduler=_scheduler(cfg), search_alg=_searcher(cfg, ctx.pipeline.seed),
                                     # the random searcher limits itself (see _searcher)
-                                    max_concurrent_trials=None if cfg.search_alg == "random" else cfg.max_concurrent_trials,
+                                    max_concurrent_trials=None if cfg.search_alg == "random"
+                                    else cfg.max_concurrent_trials,
                                     trial_dirname_creator=lambda trial: trial.trial_id),
         # With an object store, Tune's experiment state lives in the bucket like every checkpoint.
         run_config=tune.RunConfig(name="sweep", storage_path=tune_storage, storage_filesystem=tune_fs, verbose=0,
@@ -437,7 +450,8 @@ def run(cfg: TuneConfig, ctx: StageContext) -> dict[str, Path]:
     ctx.log_metrics({f"best_{cfg.metric}": best[cfg.metric], "trials": len(rows), "sweep_s": time.time() - t0,
                      **{f"trials_{k}": v for k, v in counts.items()}})
     ctx.progress(f"best trial {best['trial_id']}: {cfg.metric} {best[cfg.metric]:.4g} with {params} "
-                 f"({counts['completed']} completed, {counts['stopped_early']} stopped early, {counts['failed']} failed, "
+                 f"({counts['completed']} completed, {counts['stopped_early']} stopped early, {counts['failed']} "
+                 f"failed, "
                  f"{time.time() - t0:.0f}s)")
     shutil.rmtree(work, ignore_errors=True)  # trial models and checkpoints: only the chosen values are kept
     ctx.storage.drop_path(work)  # (and their copies in the object store, if any)

@@ -153,7 +153,8 @@ class TwoNodeCluster:
                     return
                 ask_at = time.time() + 10
             time.sleep(0.25)
-        logs = "\n".join((self.tmp / f).read_text()[-2000:] for f in ("head.log", "worker.log") if (self.tmp / f).exists())
+        logs = "\n".join((self.tmp / f).read_text()[-2000:] for f in ("head.log", "worker.log")
+                         if (self.tmp / f).exists())
         raise RuntimeError(f"the {n}-node cluster did not come up:\n{logs}")
 
     def __exit__(self, *exc) -> None:

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from helpers.cluster import process_tree
@@ -62,7 +61,8 @@ class Watched:
                 pass
 
 
-_DEFAULT_SIGINT = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+_DEFAULT_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 def watched(cmd: list[str], cwd: Path, env: dict, timeout: float, interrupt_on: str | None = None,

@@ -86,7 +86,8 @@ def allowance(module) -> tuple[dict[str, int], str | None]:
     declared = getattr(module, "STARTS", {}) or {}
     unknown = sorted(set(declared) - set(START_KINDS))
     if unknown:
-        return dict.fromkeys(START_KINDS, 0), f"STARTS names {', '.join(unknown)}; the kinds are {', '.join(START_KINDS)}"
+        return (dict.fromkeys(START_KINDS, 0),
+                f"STARTS names {', '.join(unknown)}; the kinds are {', '.join(START_KINDS)}")
     return {k: int(declared.get(k, 0)) for k in START_KINDS}, None
 
 

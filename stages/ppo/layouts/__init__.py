@@ -56,8 +56,8 @@ class Layout(Protocol):
 
     def start(self, s, roles: list[tuple], engine, gpu: bool, seed: int, run_storage) -> None:
         """Request every process at once (nothing blocks) and fill `s.groups` (`s`, the stage's `roles.Session`):
-        role name -> a group answering `run`, `run_each`, `get` and `__len__` as `ModelGroup` does. `roles`: (name, role config, kind, model
-        directory, trainable); `engine`: the `EngineSpec` the layout's engines start from."""
+        role name -> a group answering `run`, `run_each`, `get` and `__len__` as `ModelGroup` does. `roles`: (name,
+        role config, kind, model directory, trainable); `engine`: the `EngineSpec` the layout's engines start from."""
 
     def ready(self, clock) -> dict[str, int]:
         """Wait until every role has loaded its model and every engine answers (clock parts `roles`, `engines`);

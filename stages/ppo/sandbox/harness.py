@@ -137,7 +137,8 @@ class Referee:
             if key != "names" or type(body) is not dict or sorted(body) != sorted(self.names):
                 raise Concluded(Verdict(False, "the response's run did not report the names the test uses"))
             self.loaded = True
-            clean = {n: ["missing"] if t == ["missing"] else self._value(t, values.HANDLE_TAGS) for n, t in body.items()}
+            clean = {n: ["missing"] if t == ["missing"] else self._value(t, values.HANDLE_TAGS)
+                     for n, t in body.items()}
             return [("judge", _line({"names": clean}))]
         if not self.waiting:
             raise Concluded(Verdict(False, "the response's run wrote a message no question asked for"))

@@ -424,8 +424,9 @@ def response_program(code: str, setup: str, names: list[str]) -> str:
 
 
 _JUDGE = "\n".join([_CODEC, values.source(channel, detach, describe, Refused, Broken, ResponseError),
-                    f"STATE = {STATE!r}\nASSERT, CMP, CHAIN = {ASSERT!r}, {CMP!r}, {CHAIN!r}", values.source(raised, ask, passed, Remote, resolved, judge_assert, judge_cmp,
-                                                         judge_chain, guard, judge)])
+                    f"STATE = {STATE!r}\nASSERT, CMP, CHAIN = {ASSERT!r}, {CMP!r}, {CHAIN!r}",
+                    values.source(raised, ask, passed, Remote, resolved, judge_assert, judge_cmp,
+                                  judge_chain, guard, judge)])
 
 
 def judge_program(plan: Plan) -> str:

@@ -222,7 +222,8 @@ def _prefixes(python: str) -> list[str] | None:
     None if it cannot be asked (then it is not a candidate for bwrap)."""
     if python not in _prefix_cache:
         ask = ("import os, sys; print('\\n'.join([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,"
-               " os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(os.path.abspath(sys.executable))]))")
+               " os.path.dirname(os.path.realpath(sys.executable)), "
+               "os.path.dirname(os.path.abspath(sys.executable))]))")
         try:
             out = subprocess.run([python, "-I", "-c", ask], capture_output=True, text=True, timeout=30,  # site: venv
                                  env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"})
