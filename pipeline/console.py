@@ -17,7 +17,8 @@ else the process and its workers print (Ray, vLLM, DeepSpeed, MLflow, httpx, C++
 Why the file descriptors and not logging handlers: half of the noise never passes through Python's
 logging (Ray's C++ core, tqdm bars, prints), so the router points fds 1 and 2 at a pipe that it
 reads, and writes the console through duplicates of the original descriptors. Ray's forwarded
-worker output is taken from Ray's own dispatcher (no public hook exists: pipeline/upstream/ray_private.py) in place of the handler that prints it, so lines keep the worker's name in the log file.
+worker output is taken from Ray's own dispatcher (no public hook exists: pipeline/upstream/ray_private.py)
+in place of the handler that prints it, so lines keep the worker's name in the log file.
 
 The console never blocks or fails the run. Everything this process and its children print passes
 through one pipe, so the thread that reads it (`Router._pump`) must never stop: a writer to a full

@@ -60,7 +60,8 @@ def test_editing_a_stages_code_reruns_it_and_what_is_downstream(tmp_path, monkey
     assert _rekeyed(tmp_path, monkeypatch, edited) == rerun
 
 
-@pytest.mark.parametrize("stage, losses", [("stages.dpo", "stages/dpo/losses.py"), ("stages.reward", "stages/reward/losses.py"),
+@pytest.mark.parametrize("stage, losses", [("stages.dpo", "stages/dpo/losses.py"),
+                                           ("stages.reward", "stages/reward/losses.py"),
                                            ("stages.ppo", "stages/ppo/losses.py")])
 def test_a_stages_loss_module_is_in_its_key(stage, losses):
     """The stage package imports its losses by absolute name (`from stages.dpo.losses import pair_losses`), which

@@ -215,7 +215,7 @@ def test_only_a_stage_whose_inputs_are_missing_fails_naming_the_stage(tmp_path, 
 
 
 @pytest.mark.tier("faults", covers=(
-    "pipeline/runner.py", "pipeline/storage.py", "pipeline/swap.py", "pipeline/__main__.py"))
+    "pipeline/runner.py", "pipeline/storage.py", "pipeline/swap.py", "pipeline/__main__.py", "pipeline/files.py"))
 def test_killed_run_leaves_no_artifact_and_the_rerun_completes(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "run", str(SMOKE), f"run_dir={run_dir}", "--to", "data"],

@@ -23,7 +23,8 @@ STARTS = {"pipelines": 5, "ray": 2, "train_groups": 3}
 
 pytestmark = [pytest.mark.slow, pytest.mark.tier("faults", covers=(
     "pipeline/cluster.py", "pipeline/jobs.py", "pipeline/run_storage.py", "pipeline/bucket.py",
-    "pipeline/tracking.py", "stages/common/training.py", "stages/common/train_loop.py", "stages/sft.py"))]
+    "pipeline/tracking.py", "stages/common/training.py", "stages/common/train_loop.py", "stages/sft.py",
+    "pipeline/upstream/", "pipeline/files.py"))]
 
 # Short SFT with frequent checkpoints, workers on different nodes.
 SFT = ["--to", "sft", "stages.sft.placement_strategy=STRICT_SPREAD", "stages.sft.checkpoint_every=3"]

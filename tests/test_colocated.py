@@ -202,7 +202,8 @@ def layouts(smoke_trained, tmp_path_factory, ray_local, tracking_uri):
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py", "stages/common/lora.py"))
+@pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py", "stages/common/lora.py",
+                                 "stages/common/followed.py"))
 def test_both_layouts_give_the_same_first_iteration_on_one_seed(layouts, tracking_uri):
     (_, sep), (_, col) = layouts["separate"], layouts["colocated"]
     for key in FIRST:
@@ -213,7 +214,7 @@ def test_both_layouts_give_the_same_first_iteration_on_one_seed(layouts, trackin
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py"))
+@pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py", "stages/common/followed.py"))
 def test_the_colocated_layout_starts_one_process_per_policy_rank(layouts, tracking_uri):
     for layout, (cfg, run_id) in layouts.items():
         ppo = cfg.stages.ppo
@@ -223,7 +224,7 @@ def test_the_colocated_layout_starts_one_process_per_policy_rank(layouts, tracki
 
 
 @pytest.mark.slow
-@pytest.mark.tier("faults", covers=("stages/ppo/", "stages/common/engines.py"))
+@pytest.mark.tier("faults", covers=("stages/ppo/", "stages/common/engines.py", "stages/common/followed.py"))
 def test_a_killed_colocated_rank_is_started_again_and_the_run_resumes(layouts, tracking_uri):
     _, run_id = layouts["colocated"]
     assert list(_metrics(tracking_uri, run_id, "rank_restarts").values()) == [1.0]

@@ -140,7 +140,7 @@ def test_the_command_refuses_a_pair_on_different_prompts_with_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/compare.py", "stages/common/engines.py"))
+@pytest.mark.tier("e2e", covers=("stages/compare.py", "stages/common/engines.py", "stages/common/followed.py"))
 def test_compare_pairs_the_sft_and_ppo_policies_of_a_run_and_logs_to_mlflow(smoke_trained, tmp_path):
     from mlflow.tracking import MlflowClient
 

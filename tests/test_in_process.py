@@ -108,7 +108,7 @@ def one_worker(smoke_trained, tmp_path_factory, tracking_uri):
 
 @pytest.mark.slow
 @pytest.mark.tier("e2e", covers=("stages/common/in_process.py", "stages/common/training.py",
-                                 "stages/common/train_loop.py", "stages/sft.py"))
+                                 "stages/common/train_loop.py", "stages/sft.py", "pipeline/upstream/"))
 def test_one_worker_in_the_driver_trains_as_a_one_worker_group_and_resumes(one_worker, tracking_uri):
     runs, driver, left = one_worker
     losses = {k: history(tracking_uri, run_id, "train_loss") for k, (_, run_id, _) in runs.items()}
@@ -132,7 +132,8 @@ def test_one_worker_in_the_driver_trains_as_a_one_worker_group_and_resumes(one_w
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/common/train_loop.py", "stages/common/training.py", "stages/reward/"))
+@pytest.mark.tier("e2e", covers=("stages/common/train_loop.py", "stages/common/training.py", "stages/reward/",
+                                 "pipeline/upstream/"))
 def test_a_one_worker_stage_run_alone_trains_without_starting_ray(smoke_trained, tmp_path):
     """One worker reading its splits from their files needs no Ray at all: a reward stage run alone trains
     in the pipeline's process and never starts Ray (4-6 s of a stage's start-up on this machine kind)."""

@@ -16,7 +16,7 @@ STARTS = {"pipelines": 3, "train_groups": 2, "vllm_engines": 4}
 
 pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
     "stages/common/lora.py", "stages/sft.py", "stages/reward/", "stages/ppo/", "stages/common/train_loop.py",
-    "stages/common/training.py"))]
+    "stages/common/training.py", "pipeline/upstream/"))]
 
 # LoRA everywhere; adapters learn at larger learning rates than full fine-tuning. PPO uses the toy
 # reward of tests/test_ppo_stage.py (share of digits) without the reward model, to keep it short.

@@ -125,7 +125,8 @@ def test_the_shipped_smollm2_gguf_becomes_a_checkpoint_that_answers_like_the_ori
 @pytest.mark.slow
 @pytest.mark.tier("e2e", covers=(
     "stages/model.py", "stages/common/models.py", "stages/common/lora.py", "stages/common/engines.py",
-    "stages/sft.py", "stages/common/train_loop.py", "stages/common/training.py"))
+    "stages/sft.py", "stages/common/train_loop.py", "stages/common/training.py", "stages/common/followed.py",
+    "pipeline/upstream/"))
 def test_lora_sft_steps_on_smollm2_then_a_synced_engine_answers_as_the_trainer(ray_local, smollm2, tmp_path,
                                                                                 tracking_uri):
     """configs/real.yaml with LoRA: the GGUF's conversion (the module's CLI run) is a cache hit, SFT

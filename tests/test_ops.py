@@ -68,7 +68,7 @@ def test_a_run_dir_held_by_another_run_exits_3(tmp_path, capfd):
 
 
 @pytest.mark.slow
-@pytest.mark.tier("faults", covers=("pipeline/__main__.py", "pipeline/runner.py"))
+@pytest.mark.tier("faults", covers=("pipeline/__main__.py", "pipeline/runner.py", "pipeline/files.py"))
 def test_a_failed_stage_exits_1_and_names_it(tmp_path):
     run_dir = tmp_path / "run"
     assert run_cli("run", str(SMOKE), f"run_dir={run_dir}", "--only", "model").returncode == 0
@@ -107,7 +107,7 @@ def _stage_status(logs: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("deploy/cron/", "pipeline/__main__.py", "pipeline/runner.py"))
+@pytest.mark.tier("e2e", covers=("deploy/cron/", "pipeline/__main__.py", "pipeline/runner.py", "pipeline/files.py"))
 def test_cron_wrapper_runs_idempotently_and_reruns_only_what_new_data_changes(tmp_path):
     def rows(a_values) -> str:  # sft chat rows "a+1=" -> "a+1"
         return "".join(json.dumps({"messages": [{"role": "user", "content": f"{a}+1="},

@@ -99,7 +99,7 @@ def test_the_run_logs_samples_and_an_engine_trainer_mismatch_near_zero(ppo_run, 
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/ppo/", "pipeline/bucket.py", "pipeline/run_storage.py"))
+@pytest.mark.tier("e2e", covers=("stages/ppo/", "pipeline/bucket.py", "pipeline/run_storage.py", "pipeline/files.py"))
 def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_the_object_store(
         ray_local, run_dir, tracking_uri, monkeypatch):
     """GRPO with `rollout.async` and DAPO's loss, clip-higher, dynamic sampling and overlong penalty: iteration
@@ -175,7 +175,7 @@ def test_async_grpo_learns_on_rollouts_at_most_one_update_old_and_resumes_from_t
 
 
 @pytest.mark.slow
-@pytest.mark.tier("faults", covers=("stages/ppo/", "stages/common/engines.py"))
+@pytest.mark.tier("faults", covers=("stages/ppo/", "stages/common/engines.py", "stages/common/followed.py"))
 def test_a_killed_engine_is_restarted_and_the_run_completes(ppo_run):
     import torch
     from transformers import AutoModelForCausalLM

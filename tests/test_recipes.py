@@ -51,7 +51,7 @@ def at_smoke_size(recipe) -> list[str]:
 @pytest.mark.parametrize("recipe", ["sft-only", "grpo-verifier", "own-job-real"])
 @pytest.mark.tier("e2e", covers=(
     "configs/recipes/", "pipeline/plan.py", "pipeline/registry.py", "stages/dpo/", "stages/ppo/", "stages/sft.py",
-    "stages/common/train_loop.py", "stages/common/training.py"))
+    "stages/common/train_loop.py", "stages/common/training.py", "pipeline/upstream/"))
 def test_a_recipe_without_some_stage_runs(recipe, smoke_trained, tmp_path):
     overrides = at_smoke_size(RECIPES / f"{recipe}.yaml")
     # its own tracking store: the serve stage registers a model version, which the shared store's registry
@@ -82,7 +82,7 @@ def test_a_recipe_without_some_stage_runs(recipe, smoke_trained, tmp_path):
 @pytest.mark.slow
 @pytest.mark.tier("faults", covers=(
     "configs/recipes/dpo.yaml", "stages/dpo/", "stages/common/train_loop.py", "stages/common/training.py",
-    "stages/serve/"))
+    "stages/serve/", "pipeline/upstream/"))
 def test_the_dpo_recipe_resumes_after_a_fault_and_serves_its_model(smoke_trained, tmp_path, monkeypatch):
     """SFT -> DPO -> serve at smoke size: DPO is interrupted after its checkpoint of step 3 and resumed; the
     reference log-probs it precomputed before step 1 come back from that checkpoint (recomputing them from

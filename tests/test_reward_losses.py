@@ -38,7 +38,8 @@ B = 6
 def trl_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None = None) -> torch.Tensor:
     """TRL's RewardTrainer.compute_loss on these scores: (B,) or (B, K) each, K the model's num_labels."""
     accelerator = SimpleNamespace(gather=lambda t: t, gather_for_metrics=lambda t: t)
-    trainer = SimpleNamespace(model=SimpleNamespace(training=False), args=SimpleNamespace(center_rewards_coefficient=None),
+    trainer = SimpleNamespace(model=SimpleNamespace(training=False),
+                              args=SimpleNamespace(center_rewards_coefficient=None),
                               accelerator=accelerator, _metrics={"eval": defaultdict(list)}, _total_train_tokens=0,
                               _tp_size=1)
     scores = torch.cat([r_chosen, r_rejected])
@@ -54,7 +55,8 @@ def trl_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Ten
 
 def scores(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * 2).requires_grad_(), (torch.randn(*shape, generator=g) * 2).requires_grad_()
+    chosen = (torch.randn(*shape, generator=g) * 2).requires_grad_()
+    return chosen, (torch.randn(*shape, generator=g) * 2).requires_grad_()
 
 
 def same_loss_and_grads(ours: torch.Tensor, theirs: torch.Tensor, *inputs: torch.Tensor) -> None:

@@ -60,7 +60,8 @@ def test_the_shared_reward_run_trains_and_exports_a_scorer(smoke_trained):
 
 
 @pytest.mark.slow
-@pytest.mark.tier("e2e", covers=("stages/reward/", "stages/common/train_loop.py", "stages/common/training.py"))
+@pytest.mark.tier("e2e", covers=("stages/reward/", "stages/common/train_loop.py", "stages/common/training.py",
+                                 "pipeline/upstream/"))
 def test_reward_model_learns_a_held_out_preference(ray_local, smoke_upstream, tmp_path, tracking_uri):
     import torch
     from mlflow.tracking import MlflowClient

@@ -69,7 +69,8 @@ def _logprob_mismatch(engine, model, prompts: list[list[int]]) -> dict[str, floa
     return rl.logprob_mismatch(trainer, engine_lp, batch["response_mask"])
 
 
-@pytest.mark.tier("faults", covers=("stages/common/engines.py", "stages/ppo/roles.py", "stages/ppo/weight_chunks.py"))
+@pytest.mark.tier("faults", covers=("stages/common/engines.py", "stages/ppo/roles.py", "stages/ppo/weight_chunks.py",
+                                    "stages/common/followed.py"))
 def test_weight_sync_reaches_every_engine_and_survives_a_restart(ray_local, model_dir):
     import copy
 

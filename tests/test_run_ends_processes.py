@@ -37,7 +37,7 @@ def test_the_shared_cli_run_left_no_process_running(smoke_cli):
     assert result.left_running == {}
 
 
-@pytest.mark.tier("faults", covers=("pipeline/cluster.py", "stages/common/training.py"))
+@pytest.mark.tier("faults", covers=("pipeline/cluster.py", "stages/common/training.py", "pipeline/upstream/"))
 def test_a_worker_whose_exit_blocks_is_ended_with_the_run(tmp_path):
     """The orphan of issue 48: an actor told to exit (as Ray Train's controller is when its handle goes, or
     on abort) whose exit then blocks. Its raylet no longer kills it and it no longer watches its raylet, so
@@ -53,7 +53,8 @@ def test_a_worker_whose_exit_blocks_is_ended_with_the_run(tmp_path):
 
 
 @pytest.mark.tier("faults", covers=(
-    "pipeline/__main__.py", "pipeline/runner.py", "pipeline/cluster.py", "stages/common/training.py"))
+    "pipeline/__main__.py", "pipeline/runner.py", "pipeline/cluster.py", "stages/common/training.py",
+    "pipeline/files.py", "pipeline/upstream/"))
 def test_ctrl_c_during_sft_exits_130_and_ends_every_process(smoke_upstream, tmp_path):
     """Ctrl-C while Ray Train trains: Ray Train's own SIGINT handler used to abort the controller, which the
     driver saw as SystemExit(1) from ray.get (exit 1); now the run is interrupted as any other stage is."""
@@ -72,7 +73,8 @@ def test_ctrl_c_during_sft_exits_130_and_ends_every_process(smoke_upstream, tmp_
         run.end_left_running()
 
 
-@pytest.mark.tier("faults", covers=("pipeline/cluster.py", "pipeline/own_cluster.py", "stages/common/training.py"))
+@pytest.mark.tier("faults", covers=("pipeline/cluster.py", "pipeline/own_cluster.py", "stages/common/training.py",
+                                    "pipeline/upstream/"))
 def test_two_runs_side_by_side_each_address_and_end_only_their_own_ray(smoke_upstream, tmp_path):
     """Issue 59, item 1: two runs at once on one machine (a cron job beside a manual run). Ray Train's
     PlacementGroupCleaner used to find both runs' Rays and print `Found multiple active Ray instances` as a

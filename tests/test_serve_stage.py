@@ -154,7 +154,8 @@ def test_openai_client_chat_completion_and_streaming(server):
     assert unnamed.usage.completion_tokens == 32 and unnamed.choices[0].finish_reason == "length"
 
 
-@pytest.mark.tier("e2e", covers=("stages/serve/", "stages/common/lora.py", "stages/common/serving.py"))
+@pytest.mark.tier("e2e", covers=("stages/serve/", "stages/common/lora.py", "stages/common/serving.py",
+                                 "pipeline/upstream/"))
 def test_a_lora_adapter_answers_under_its_own_name_as_its_merged_model_does(server, champion, tmp_path):
     """`<model>:tuned` is the adapter on the base (Serve LLM's multiplexing, vLLM's LoRA): its greedy
     tokens are those of HF generate on the base with the adapter merged; the base still answers as
@@ -299,7 +300,7 @@ def test_binds_to_loopback_only(server):
             assert s.connect_ex((ip, PORT)) != 0, ip  # ... but not on this machine's other addresses
 
 
-@pytest.mark.tier("faults", covers=("stages/serve/",))
+@pytest.mark.tier("faults", covers=("stages/serve/", "pipeline/upstream/",))
 def test_a_killed_engine_answers_503_then_its_replica_is_replaced(server):
     """vLLM's worker process dies (killed here; OOM or a crash elsewhere): requests meanwhile get 503 with
     Retry-After, never a 500, and Serve's health check replaces the replica, which then answers."""
@@ -375,7 +376,7 @@ def test_batch_infer_writes_one_row_per_prompt(registered, tracking_uri, tmp_pat
     assert again.returncode == 2 and "exists and is not empty" in again.stderr
 
 
-@pytest.mark.tier("faults", covers=("stages/serve/", "pipeline/__main__.py"))
+@pytest.mark.tier("faults", covers=("stages/serve/", "pipeline/__main__.py", "pipeline/upstream/"))
 def test_sigterm_ends_pipeline_serve_cleanly_with_exit_130(registered, tracking_uri, tmp_path):
     """`kill PID` on `pipeline serve`: the app is deleted, Ray (which it started) shut down with all its
     processes, exit 130. (Ray's own SIGTERM handler aborted the process, leaving its dashboard and

@@ -81,7 +81,8 @@ def zero_runs(smoke_trained, tmp_path_factory, tracking_uri):
 
 @pytest.mark.slow
 @pytest.mark.tier("e2e", covers=(
-    "stages/sft.py", "stages/common/deepspeed.py", "stages/common/training.py", "stages/common/train_loop.py"))
+    "stages/sft.py", "stages/common/deepspeed.py", "stages/common/training.py", "stages/common/train_loop.py",
+    "pipeline/upstream/"))
 def test_zero_stages_give_the_same_loss_trajectory_and_an_interrupted_run_resumes(zero_runs, smoke_trained,
                                                                                   tracking_uri):
     runs, interrupted, finished, run_dir = zero_runs

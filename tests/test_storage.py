@@ -345,7 +345,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 @pytest.mark.tier("e2e", covers=(
     "pipeline/storage.py", "pipeline/bucket.py", "pipeline/run_storage.py", "pipeline/swap.py",
-    "pipeline/runner.py"))
+    "pipeline/runner.py", "pipeline/files.py"))
 def test_a_run_on_an_empty_run_dir_reuses_what_the_bucket_holds(s3, tmp_path):
     """model -> data with the store (the data stage's Parquet goes through the bucket), then the same
     config on an empty run_dir. SFT's checkpoints in the bucket are covered by tests/test_cluster.py."""

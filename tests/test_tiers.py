@@ -290,7 +290,8 @@ def test_the_development_guide_says_which_tests_cover_a_change_to_each_folder():
     guide = (ROOT / "docs" / "development.md").read_text()
     assert TABLE_START in guide and TABLE_END in guide, f"docs/development.md lacks {TABLE_START}"
     written = guide.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0].strip()
-    assert written == coverage_table(), "docs/development.md's covers table is stale; it should read:\n" + coverage_table()
+    assert written == coverage_table(), "docs/development.md's covers table is stale; it should read:\n" \
+        + coverage_table()
     every_source = {p.relative_to(ROOT).parts[0] + "/" + p.relative_to(ROOT).parts[1] for p in ROOT.glob("stages/*")
                     if not p.name.startswith("_") and p.name != "__pycache__"}
     assert {s + ("/" if (ROOT / s).is_dir() else "") for s in every_source} <= set(FOLDERS)

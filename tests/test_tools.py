@@ -15,7 +15,8 @@ from pipeline.runner import run_pipeline
 # The costly starts this module makes (tests/helpers/starts.py; docs/development.md, "Start-up allowance").
 STARTS = {"pipelines": 1, "vllm_engines": 5}
 
-pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py"))]
+pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=("stages/ppo/", "stages/common/engines.py",
+                                                                "stages/common/followed.py"))]
 
 
 @pytest.fixture(scope="module")

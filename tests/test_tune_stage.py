@@ -16,7 +16,7 @@ from pipeline.runner import run_pipeline
 STARTS = {"pipelines": 2, "train_groups": 4}
 
 pytestmark = [pytest.mark.slow, pytest.mark.tier("e2e", covers=(
-    "stages/tune/", "stages/sft.py", "stages/common/train_loop.py", "stages/common/training.py"))]
+    "stages/tune/", "stages/sft.py", "stages/common/train_loop.py", "stages/common/training.py", "pipeline/upstream/"))]
 # The bad learning rate comes last and starts only when a slot frees up: ASHA keeps whichever trial
 # reaches a rung first, so the worst one is stopped reliably once better trials have recorded theirs.
 # Three trials, two at a time: a trial is CPU-bound start-up on 2 cores, so more only cost time.

@@ -24,9 +24,12 @@ from pipeline.schema import Section, key_errors
 class DeepSpeedSection(Section):
     """DeepSpeed ZeRO settings."""
 
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, 3 + parameters sharded.")
-    offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO >= 1). Only matters with a GPU.")
-    offload_params: bool = Field(False, description="Keep parameters in CPU memory (ZeRO-3 only). Only matters with a GPU.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage: 0 off, 1 optimizer states, 2 + gradients, "
+                                                        "3 + parameters sharded.")
+    offload_optimizer: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO >= 1). "
+                                                       "Only matters with a GPU.")
+    offload_params: bool = Field(False, description="Keep parameters in CPU memory (ZeRO-3 only). "
+                                                    "Only matters with a GPU.")
     precision: Literal["auto", "bf16", "fp32"] = Field("auto", description="'auto': bf16 on GPUs (since Ampere: A100, "
                                                        "H100, L4; set fp32 on a V100 or T4), fp32 on the CPU.")
     activation_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
@@ -43,7 +46,8 @@ class DeepSpeedSection(Section):
     @model_validator(mode="after")
     def _offload_needs_zero(self) -> "DeepSpeedSection":
         if self.offload_params and self.zero_stage != 3:
-            raise ValueError(f"offload_params needs zero_stage 3 (got {self.zero_stage}); set zero_stage: 3 or offload_params: false")
+            raise ValueError(f"offload_params needs zero_stage 3 (got {self.zero_stage}); set zero_stage: 3 "
+                             "or offload_params: false")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("offload_optimizer needs zero_stage >= 1; set zero_stage: 1, 2 or 3")
         return self
@@ -111,11 +115,14 @@ def zero3_problem(lora: LoraSection | None, zero_stage: int, where: str) -> str 
 class TrainingConfig(Section):
     """Optimisation settings shared in shape by the sft and reward stages."""
 
-    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks); 1 trains in the pipeline's own process, no worker group (docs/training.md).")
+    num_workers: int = Field(2, ge=1, description="Ray Train workers (data-parallel ranks); 1 trains in the "
+                             "pipeline's own process, no worker group (docs/training.md).")
     epochs: int = Field(1, ge=1, description="Passes over the training split.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (empty: run all epochs).")
+    max_steps: int | None = Field(None, ge=1,
+                                  description="Stop after this many optimizer steps (empty: run all epochs).")
     batch_size: int = Field(32, ge=1, description="Global batch: sequences per optimizer step over all workers.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per worker per forward pass; the rest is gradient accumulation.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per worker per forward pass; the rest is "
+                                                       "gradient accumulation.")
     lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps from 0 to lr.")
@@ -123,9 +130,11 @@ class TrainingConfig(Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine/linear).")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clipping.")
     eval_every: int = Field(50, ge=1, description="Evaluate on the eval split every N optimizer steps.")
-    checkpoint_every: int = Field(100, ge=1, description="Report a checkpoint every N optimizer steps (and at the end).")
+    checkpoint_every: int = Field(100, ge=1,
+                                  description="Report a checkpoint every N optimizer steps (and at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept by Ray Train (CheckpointConfig.num_to_keep).")
-    max_failures: int = Field(1, ge=0, description="Worker failures Ray Train recovers from (restarting from the last checkpoint).")
+    max_failures: int = Field(1, ge=0, description="Worker failures Ray Train recovers from (restarting from the "
+                                                   "last checkpoint).")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="How Ray places the workers on a cluster's nodes (Ray Train's ScalingConfig): 'PACK' "
         "fills few nodes (fast collectives), 'SPREAD' / 'STRICT_SPREAD' put them on different nodes.")
@@ -141,7 +150,8 @@ class TrainingConfig(Section):
         if self.batch_size % per_step:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of micro_batch_size x num_workers "
-                f"({self.micro_batch_size} x {self.num_workers} = {per_step}); e.g. batch_size: {per_step * max(1, self.batch_size // per_step)}"
+                f"({self.micro_batch_size} x {self.num_workers} = {per_step}); "
+                f"e.g. batch_size: {per_step * max(1, self.batch_size // per_step)}"
             )
         return self
 

@@ -9,7 +9,8 @@ model (the reward stage's output, read by PPO and batch inference).
 
 Checkpoints: every rank writes its DeepSpeed shard into a local directory and reports it; Ray
 Train merges them into one checkpoint under `storage_path/name`. A rerun with the same
-`RunConfig(name, storage_path)` (the stage's cache key) resumes from the latest one (docs/architecture.md, fact 9), so an interrupted stage continues where it stopped instead of starting over.
+`RunConfig(name, storage_path)` (the stage's cache key) resumes from the latest one (docs/architecture.md,
+fact 9), so an interrupted stage continues where it stopped instead of starting over.
 """
 
 from __future__ import annotations

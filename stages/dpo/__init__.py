@@ -6,9 +6,9 @@ differs. Each micro-batch of B pairs is one forward pass over 2B sequences (chos
 rejected; KTO adds B mismatched prompt/answer sequences for its KL estimate). A sequence's
 log-probability is the sum of its answer tokens' log-probs (the data stage's loss mask:
 `sequence_logps`), and the losses are pure functions of those sums (`losses.py`: `pair_losses`,
-`kto_losses`), written as TRL writes them (`DPOTrainer` loss_type sigmoid and ipo, `CPOTrainer` loss_type simpo, `KTOTrainer`)
-so that a user's beta means what it means there; `tests/test_dpo_oracle.py` checks loss and gradients
-against TRL's trainers on the same model and batch.
+`kto_losses`), written as TRL writes them (`DPOTrainer` loss_type sigmoid and ipo, `CPOTrainer` loss_type
+simpo, `KTOTrainer`) so that a user's beta means what it means there; `tests/test_dpo_oracle.py` checks loss
+and gradients against TRL's trainers on the same model and batch.
 
 The reference policy (`reference`):
 - `adapter_off` (LoRA only): the model with its adapter switched off, i.e. the start model, at no memory;
@@ -56,7 +56,8 @@ class DPOConfig(TrainingConfig):
     lr: float = Field(1e-4, gt=0, description="Peak learning rate (lower than SFT's: DPO moves a trained policy).")
     warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps from 0 to lr.")
     eval_every: int = Field(10, ge=1, description="Evaluate on the held-out pairs every N optimizer steps.")
-    init_from: Literal["sft", "base"] = Field("sft", description="Start (and reference) model: the SFT model or the base model.")
+    init_from: Literal["sft", "base"] = Field("sft", description="Start (and reference) model: the SFT model or "
+                                                                 "the base model.")
     loss: Literal["dpo", "ipo", "simpo", "kto"] = Field(
         "dpo", description="'dpo': -log sigmoid(beta x margin of log-ratios) (TRL loss_type 'sigmoid'); 'ipo': "
         "(margin of per-token log-ratios - 1/(2 beta))^2 (TRL 'ipo'); 'simpo': reference-free, the margin of mean "
@@ -66,13 +67,16 @@ class DPOConfig(TrainingConfig):
     label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed share of flipped labels (conservative "
                                    "DPO, cDPO): the loss also rewards the opposite preference with this weight. "
                                    "dpo and simpo only.")
-    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin gamma (the logits are shifted by gamma/beta).")
-    sft_weight: float = Field(0.0, ge=0, description="Weight of a language-modelling loss on the chosen answers (their "
-                              "mean token negative log-likelihood) added to the preference loss: RPO (Pang et al. 2024; "
-                              "TRL loss_type [sigmoid, sft] with loss_weights [1, w]). It keeps the chosen answers' own "
-                              "likelihood from falling with the rejected ones', the way DPO fails on reasoning tasks.")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target margin gamma (the logits are shifted by "
+                                                      "gamma/beta).")
+    sft_weight: float = Field(0.0, ge=0, description="Weight of a language-modelling loss on the chosen answers "
+                              "(their mean token negative log-likelihood) added to the preference loss: RPO (Pang et "
+                              "al. 2024; TRL loss_type [sigmoid, sft] with loss_weights [1, w]). It keeps the chosen "
+                              "answers' own likelihood from falling with the rejected ones', the way DPO fails on "
+                              "reasoning tasks.")
     kto_desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable (chosen) answers' loss.")
-    kto_undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable (rejected) answers' loss.")
+    kto_undesirable_weight: float = Field(1.0, gt=0,
+                                          description="KTO: weight of the undesirable (rejected) answers' loss.")
     reference: Literal["auto", "adapter_off", "frozen_copy", "precomputed"] = Field(
         "auto", description="The reference policy: 'adapter_off' (LoRA: the model with its adapter off), "
         "'frozen_copy' (a second, frozen copy of the start model), 'precomputed' (reference log-probs computed once "
@@ -413,7 +417,8 @@ def run(cfg: DPOConfig, ctx: StageContext) -> dict[str, Path]:
     reference = cfg.reference_kind() or "none (reference-free)"
     result, tok = train_loop.train(
         Objective(), cfg, ctx, init, data, steps, lambda precision: f"{cfg.loss} on {n_pairs} pairs: {steps} steps on "
-        f"{cfg.num_workers} worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, beta {cfg.beta:g}, reference "
+        f"{cfg.num_workers} worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, "
+        f"beta {cfg.beta:g}, reference "
         f"{reference}, init from {cfg.init_from}{describe(cfg.lora)})", clock)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "causal")  # a LoRA adapter is merged into `init` here

@@ -30,7 +30,8 @@ def pair_losses(loss: str, beta: float, chosen, rejected, ref_chosen, ref_reject
     """
     if loss == "simpo":
         rc, rr = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
-        return _smoothed_sigmoid(rc - rr - simpo_gamma / beta, beta, label_smoothing), beta * rc.detach(), beta * rr.detach()
+        loss = _smoothed_sigmoid(rc - rr - simpo_gamma / beta, beta, label_smoothing)
+        return loss, beta * rc.detach(), beta * rr.detach()
     lc, lr = chosen - ref_chosen, rejected - ref_rejected
     if loss == "dpo":
         out = _smoothed_sigmoid(lc - lr, beta, label_smoothing)

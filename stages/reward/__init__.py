@@ -1,22 +1,20 @@
 """Reward stage: a Bradley-Terry reward model trained on the preference pairs.
 
-Same runtime shape as `stages.sft` (Ray Train V2 `TorchTrainer`, DeepSpeed ZeRO from YAML, Ray
-Data shards, checkpoints that resume): the loop is repeated here rather than shared through hooks,
-because what it computes differs. The model is a sequence classifier with one output per score
-head (`AutoModelForSequenceClassification`, `num_labels=heads`, 1 by default) initialised from the
-SFT model by default;
-chosen and rejected answers go through one forward pass and the loss is
-`-log sigmoid(r_chosen - r_rejected)` (`losses.py`, held to TRL's RewardTrainer by tests/test_reward_losses.py). Evaluation: pairwise accuracy (share of held-out pairs
-with r_chosen > r_rejected) and mean margin. With `heads: K` the classifier has K outputs, each a
-reward model of its own trained on a bootstrap resample of the pairs (`bootstrap_weights`), and
-evaluation reads their mean; PPO combines them conservatively (`training.ensemble_score`). Heads on
-one backbone rather than K separate models: K times cheaper (Zhang et al. 2024, "Improving
-Reinforcement Learning from Human Feedback with Efficient Reward Model Ensemble"). The price: heads
-share every feature, and on the gold task their spread fell as the policy drifted (bench/RESULTS.md,
-2026-11-28), so they guard less than separately trained models would. With a gold preference (`task.preference.gold`), the
-held-out pairs are also re-labelled by the gold function and `eval_accuracy_gold` reported beside
-`eval_accuracy`, which is against the data's (noisy) labels: a reward model that learned the
-preference rather than the noise scores higher against gold than against its own labels.
+Same runtime shape as `stages.sft` (Ray Train V2 `TorchTrainer`, DeepSpeed ZeRO from YAML, Ray Data shards,
+checkpoints that resume): the loop is repeated here rather than shared through hooks, because what it computes
+differs. The model is a sequence classifier with one output per score head (`AutoModelForSequenceClassification`,
+`num_labels=heads`, 1 by default) initialised from the SFT model by default; chosen and rejected answers go through
+one forward pass and the loss is `-log sigmoid(r_chosen - r_rejected)` (`losses.py`, held to TRL's RewardTrainer by
+tests/test_reward_losses.py). Evaluation: pairwise accuracy (share of held-out pairs with r_chosen > r_rejected) and
+mean margin. With `heads: K` the classifier has K outputs, each a reward model of its own trained on a bootstrap
+resample of the pairs (`bootstrap_weights`), and evaluation reads their mean; PPO combines them conservatively
+(`training.ensemble_score`). Heads on one backbone rather than K separate models: K times cheaper (Zhang et al.
+2024, "Improving Reinforcement Learning from Human Feedback with Efficient Reward Model Ensemble"). The price: heads
+share every feature, and on the gold task their spread fell as the policy drifted (bench/RESULTS.md, 2026-11-28), so
+they guard less than separately trained models would. With a gold preference (`task.preference.gold`), the held-out
+pairs are also re-labelled by the gold function and `eval_accuracy_gold` reported beside `eval_accuracy`, which is
+against the data's (noisy) labels: a reward model that learned the preference rather than the noise scores higher
+against gold than against its own labels.
 
 `lm_loss_weight` adds a language-modelling loss on the chosen answers (the hidden-state
 regularisation of "Generalizable Reward Models", Yang et al. 2024). Why: the score is read at the
@@ -272,7 +270,8 @@ def run(cfg: RewardConfig, ctx: StageContext) -> dict[str, Path]:
     heads = f", {cfg.heads} score heads on bootstrap resamples" if cfg.heads > 1 else ""
     result, tok = train_loop.train(
         Objective(), cfg, ctx, init, data, steps, lambda precision: f"training {steps} steps on {cfg.num_workers} "
-        f"worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_pairs} pairs, init from {cfg.init_from}"
+        f"worker{'s' if cfg.num_workers != 1 else ''} (ZeRO-{cfg.deepspeed.zero_stage}, {precision}, {n_pairs} pairs, "
+        f"init from {cfg.init_from}"
         f"{describe(cfg.lora)}{heads})", clock, gold=ctx.pipeline.task.preference.gold)
     out = ctx.out_dir / "model"
     metrics = export(result, out, tok, init, "sequence", cfg.heads)  # a LoRA adapter is merged into `init` here

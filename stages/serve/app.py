@@ -267,7 +267,8 @@ class Server:
         have = ray.cluster_resources().get("CPU", 0)
         if have < self.cfg.cpus_needed():
             raise UserError(f"stages.serve.replicas: {self.cfg.replicas} replica(s) need {self.cfg.cpus_needed()} "
-                            f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise ray.num_cpus")
+                            f"logical CPUs (2 each + the ingress) but Ray has {have:g}; use fewer replicas or raise "
+                            "ray.num_cpus")
         app = build_app(llm_config(self.cfg, self.model_dir, gpu, self.seed, self.adapters), key, self.cfg.limits,
                         self.adapters, self.cfg.http.cors_origins)
         named = "".join(f", adapter {self.cfg.served_name()}:{n} ({d})" for n, d in self.adapters.items())
