@@ -26,7 +26,7 @@ pipe (Python, Ray's C++ logging, vLLM, a child process) would wait forever. Each
 its own and a failure becomes a note in the log; a malformed progress event is dropped with a note.
 A log that cannot be opened or written (a full disk, a read-only or vanished directory) is reported
 once on the console, its output is dropped, and the log is tried again when the next one opens (each
-stage, then `run.log`) and every `LOG_RETRY_S`: a stage's work never depends on its log. The
+stage, then `run.log`) and every `logfile.LOG_RETRY_S`: a stage's work never depends on its log. The
 console itself is a stream that never raises (a closed pipe, a hung-up terminal). A fatal signal in
 the driver (a segfault in C++, an abort) cannot go through the pipe, whose reader dies with the
 process, so `faulthandler` writes the Python stacks to the current log file's descriptor directly;
@@ -44,16 +44,17 @@ import os
 import re
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline import events
 from pipeline.events import MARK, parse
+from pipeline.logfile import LogFile
+from pipeline.logfile import shown as _shown
+from pipeline.logfile import why as _why
 from pipeline.progress import Board, _console_stream, _escape, stamped
 
 MAX_NOTICES = 5  # library lines that matter, shown per stage before "more in the log"
-LOG_RETRY_S = 60.0  # a log that could not be written is tried again this often (and at each stage)
 MAX_LINE = 1 << 20  # bytes without a newline (a tqdm bar's carriage returns) routed as one line
 # Library lines worth one console line: errors, tracebacks, dead engines/actors, the OOM killer.
 # Not Ray's C++ "E" lines: on this stack they are warnings about actor arguments, every run.
@@ -79,34 +80,28 @@ class Router:
         self.out = _console_stream(1)
         self.err = _console_stream(2)
         self.console = None  # the rich console our lines go to; set by the caller
-        self.log_path: Path | None = None
-        self._logs_dir: Path | None = None
-        self._log_name = "run"
-        self._fd: int | None = None  # the log file's descriptor; None while there is none to write
-        self._log_error: str | None = None  # why library output is being dropped (None: it is not)
-        self._dropped_since = ""
-        self._retry_at = 0.0
-        self._log_warned = False
         self._stage = "run"
         self._lock = threading.RLock()
+        # the current log file (pipeline/logfile.py): shares the lock, warns on our console, and reopens only
+        # while the capture runs
+        self.log = LogFile(self._lock, self._print, self.err.fileno, lambda: self._capturing)
         self._board: Board | None = None
         self._notices = 0
         self._synced = threading.Event()
         self._capturing = False
         self._read_end: int | None = None
         self._pump_thread: threading.Thread | None = None
-        self._faulthandler_was = False
 
     # ---- set-up
 
     @contextlib.contextmanager
     def capture(self, run_dir: Path) -> Iterator[Router]:
         """Send fds 1 and 2 (this process's and its children's) to the log files until the block ends."""
-        self._logs_dir = Path(run_dir) / "logs"
-        self._faulthandler_was = faulthandler.is_enabled()
-        self._open("run", mode="a")
+        self.log.directory = Path(run_dir) / "logs"
+        self.log.faulthandler_was = faulthandler.is_enabled()
+        self.log.open("run", mode="a")
         if not self._redirect():
-            self._close_log()
+            self.log.close()
             yield self
             return
         self._capturing = True
@@ -118,7 +113,7 @@ class Router:
             self._capturing = False
             os.dup2(self.out.fileno(), 1)
             os.dup2(self.err.fileno(), 2)
-            self._close_log()
+            self.log.close()
 
     def _redirect(self) -> bool:
         """Point fds 1 and 2 at a pipe read by the pump thread; False (library output stays on the
@@ -151,10 +146,10 @@ class Router:
             return
         self._sync()
         self._stage, self._notices = name, 0
-        self._open(log or name, mode="w")
-        path = self.log_path
+        self.log.open(log or name, mode="w")
+        path = self.log.path
         try:
-            yield path if self._fd is not None else None
+            yield path if self.log.fd is not None else None
         except BaseException as exc:
             self._safely(self._stage_failed, name, path, exc)
             raise
@@ -165,7 +160,7 @@ class Router:
                 self._print(f"  [yellow]! {self._stage}: {self._notices - MAX_NOTICES} more such errors in "
                             f"{_escape(_shown(path))}[/]")
             self._stage = "run"
-            self._open("run", mode="a")
+            self.log.open("run", mode="a")
 
     def _stage_failed(self, name: str, path: Path | None, exc: BaseException) -> None:
         """The traceback goes to the stage's log after all the stage printed (the pipe is drained
@@ -176,96 +171,11 @@ class Router:
 
         self._sync()
         with self._lock:
-            self._write_log("".join(traceback.format_exception(exc)))
-            where = (f"its log: {_shown(path)}" if self._log_error is None else
-                     f"its log {_shown(path)} is incomplete ({self._log_error})")
+            self.log.write("".join(traceback.format_exception(exc)))
+            where = (f"its log: {_shown(path)}" if self.log.error is None else
+                     f"its log {_shown(path)} is incomplete ({self.log.error})")
         what = "failed" if isinstance(exc, Exception) else "was interrupted"
         self._print(f"  [red]{_escape(name)} {what}; {_escape(where)}[/]")
-
-    # ---- the log file
-
-    def _open(self, name: str, mode: str) -> None:
-        """Make `logs/<name>.log` the log ("w": a new one, the previous kept as `.log.1`; "a": append).
-
-        Never raises: a log that cannot be opened is reported like one that cannot be written
-        (`_log_failed`), and the next `_open` tries again."""
-        path = self._logs_dir / f"{name}.log" if self._logs_dir is not None else None
-        with self._lock:
-            self._log_name, self.log_path = name, path
-            try:
-                if path is None:
-                    raise FileNotFoundError("no run directory")
-                path.parent.mkdir(parents=True, exist_ok=True)
-                if mode == "w" and path.exists():
-                    path.replace(path.with_suffix(".log.1"))
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if mode == "w" else os.O_APPEND), 0o666)
-            except OSError as exc:
-                self._log_failed(exc)
-                return
-            self._use_fd(fd)
-            header = f"===== {time.strftime('%Y-%m-%d %H:%M:%S')} {name}\n"
-            if self._log_error is not None:
-                header += f"===== library output since {self._dropped_since} was dropped ({self._log_error})\n"
-            self._write_log(header)
-
-    def _use_fd(self, fd: int | None) -> None:
-        """Switch the log to `fd` (None: no log), pointing `faulthandler` at it before the old one closes.
-
-        A fatal signal in this process (a segfault in C++, an abort) kills the pump thread with it,
-        so the stacks faulthandler dumps must go to the log file directly, not through the pipe; with
-        no log file they go to the console."""
-        old, self._fd = self._fd, fd
-        with contextlib.suppress(Exception):
-            faulthandler.enable(file=fd if fd is not None else self.err.fileno(), all_threads=True)
-        if old is not None:
-            with contextlib.suppress(OSError):
-                os.close(old)
-
-    def _close_log(self) -> None:
-        """At the end of the capture: faulthandler back as it was before, then the log closed."""
-        with self._lock:
-            with contextlib.suppress(Exception):
-                if self._faulthandler_was and sys.stderr is not None:
-                    faulthandler.enable(file=sys.stderr, all_threads=True)
-                else:
-                    faulthandler.disable()
-            if self._fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(self._fd)
-                self._fd = None
-
-    def _write_log(self, text: str) -> None:
-        """Append `text` to the log. Never raises nor waits on a broken log: its output is dropped
-        (see `_log_failed`), and every `LOG_RETRY_S` the log is reopened to append."""
-        with self._lock:
-            if self._fd is None:
-                if self._log_error is None or time.monotonic() < self._retry_at or not self._capturing:
-                    return
-                self._open(self._log_name, mode="a")  # writes a header, and the text after it if that worked
-                if self._fd is None:
-                    return
-            data = text.encode("utf-8", errors="replace")
-            try:
-                while data:
-                    data = data[os.write(self._fd, data):]
-            except OSError as exc:
-                self._log_failed(exc)
-                return
-            self._log_error = None
-
-    def _log_failed(self, exc: OSError) -> None:
-        """The log could not be opened or written (a full disk, a read-only directory): drop its
-        output from now on rather than fail or block, and tell the person once per run."""
-        with self._lock:
-            self._use_fd(None)
-            if self._log_error is None:
-                self._log_error, self._dropped_since = _why(exc), time.strftime("%H:%M:%S")
-            self._retry_at = time.monotonic() + LOG_RETRY_S
-            if self._log_warned:
-                return
-            self._log_warned = True
-        self._print(f"  [yellow]! could not write {_escape(_shown(self.log_path))} ({_escape(_why(exc))}); library "
-                    f"output is dropped until it can be (tried again at each stage and every {LOG_RETRY_S:.0f}s)[/]")
 
     def capture_ray_logs(self) -> None:
         """Take over Ray's printing of forwarded worker output (call after every `ray.init`)."""
@@ -370,7 +280,7 @@ class Router:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             with contextlib.suppress(Exception):
-                self._write_log(f"(pipeline: {getattr(fn, '__name__', fn)} failed: {exc!r})\n")
+                self.log.write(f"(pipeline: {getattr(fn, '__name__', fn)} failed: {exc!r})\n")
 
     # ---- output
 
@@ -381,7 +291,7 @@ class Router:
             return
         text = "\n".join(lines) + "\n"
         with self._lock:
-            self._write_log(text)
+            self.log.write(text)
             if self.verbose:
                 self.err.write(text)
                 return
@@ -394,7 +304,7 @@ class Router:
             if self._notices <= MAX_NOTICES:
                 shown = re.sub(r"\x1b\[[0-9;]*m", "", matters[0]).strip()
                 self._print(f"  [yellow]! {self._stage}: {_escape(shown[:200])}[/] "
-                            f"(see {_escape(_shown(self.log_path))})")
+                            f"(see {_escape(_shown(self.log.path))})")
 
     def event(self, event: dict) -> None:
         """Show one of our events (a line, or progress). Never raises: a malformed event (from any
@@ -406,7 +316,7 @@ class Router:
                     return
                 self._progress(event)
             except Exception as exc:  # noqa: BLE001 - see the docstring
-                self._write_log(f"(pipeline: dropped a malformed event {_repr(event)}: {exc})\n")
+                self.log.write(f"(pipeline: dropped a malformed event {_repr(event)}: {exc})\n")
 
     def _progress(self, e: dict) -> None:
         if self.console is None:
@@ -430,21 +340,6 @@ class Router:
                 self.err.write(re.sub(r"\[/?[a-z ]*\]", "", markup) + "\n")
         except (Exception, SystemExit):  # noqa: BLE001 - SystemExit: rich's answer to a broken pipe
             pass
-
-
-def _shown(path: Path | None) -> str:
-    if path is None:
-        return "the log"
-    with contextlib.suppress(ValueError):
-        return str(path.relative_to(Path.cwd()))
-    return str(path)
-
-
-def _why(exc: BaseException) -> str:
-    """An OSError without its file name (the message names the file): '[Errno 28] No space left on device'."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return f"[Errno {exc.errno}] {exc.strerror}" if exc.errno else exc.strerror
-    return str(exc) or type(exc).__name__
 
 
 def _repr(event: Any) -> str:

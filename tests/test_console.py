@@ -120,10 +120,10 @@ def test_on_a_terminal_progress_is_a_live_bar_with_rate_and_eta(monkeypatch):
 
     from rich.console import Console
 
-    from pipeline import console
+    import time
 
     clock = iter([1000.0, 1003.0])  # the two reports, three seconds apart
-    monkeypatch.setattr(console.time, "time", lambda: next(clock, 1003.0))
+    monkeypatch.setattr(time, "time", lambda: next(clock, 1003.0))
     out = io.StringIO()
     board = Board(Console(file=out, force_terminal=True, width=160), live=None)  # decides by the console
     assert board.live
