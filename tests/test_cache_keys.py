@@ -53,8 +53,9 @@ def test_editing_reporting_interface_or_runner_code_reruns_no_stage(tmp_path, mo
     ("stages/ppo/losses.py", ["ppo", "serve"]),  # what PPO's ranks minimise
     ("stages/reward/losses.py", ["ppo", "reward", "serve"]),  # Bradley-Terry: the reward model and the policy it scores
     ("stages/common/tasks.py", sorted(["model", *AFTER_DATA])),  # the generated task (the model's tokenizer too)
-    ("pipeline/storage.py", ["ppo", "serve"]),  # serve publishes through it, ppo writes its checkpoint records with it
-    ("pipeline/swap.py", ["ppo", "serve"]),  # the store swaps directories in with it
+    ("pipeline/files.py", ["ppo", "serve"]),  # ppo writes its checkpoint records with it (serve: downstream)
+    ("pipeline/storage.py", []),  # the artifact store is the runner's: in no stage's code
+    ("pipeline/swap.py", []),  # the store swaps directories in with it
 ])
 def test_editing_a_stages_code_reruns_it_and_what_is_downstream(tmp_path, monkeypatch, edited, rerun):
     assert _rekeyed(tmp_path, monkeypatch, edited) == rerun
