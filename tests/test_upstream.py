@@ -54,6 +54,15 @@ def test_nothing_outside_the_room_patches_a_library_or_imports_its_private_modul
 # --------------------------------------------------------------------------- each defect, still there
 
 
+def _fresh(code: str) -> str:
+    """The last line `code` prints in a fresh interpreter of this environment (a library's imports as a worker makes
+    them: the CPU accelerator, no venv on PATH)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
 def test_deepspeed_still_unpickles_checkpoints_with_weights_only_false():
     """deepspeed_loads.py: DeepSpeed's default checkpoint engine unpickles anything (its guard's behaviour on every
     load path: tests/test_training_units.py)."""
@@ -77,10 +86,7 @@ def test_transformers_generation_still_imports_sklearn_eagerly():
     code = ("import json, sys\nimport deepspeed\nafter_deepspeed = 'mlflow' in sys.modules\n"
             "from transformers import LlamaForCausalLM  # noqa: F401 - what loads the generation utilities\n"
             "print(json.dumps({'mlflow': after_deepspeed, 'sklearn': 'sklearn' in sys.modules}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    imported = json.loads(out.stdout.strip().splitlines()[-1])
+    imported = json.loads(_fresh(code))
     assert imported["sklearn"], "transformers.generation no longer imports scikit-learn: remove transformers_sklearn.py"
     _MLFLOW_SEEN.append(imported["mlflow"])
 
@@ -92,11 +98,7 @@ _MLFLOW_SEEN: list[bool] = []
 def test_deepspeed_still_imports_mlflow():
     """deepspeed_mlflow.py: a plain `import deepspeed` imports MLflow."""
     if not _MLFLOW_SEEN:
-        out = subprocess.run([sys.executable, "-c", "import sys, deepspeed; print('mlflow' in sys.modules)"],
-                             capture_output=True, text=True, timeout=300, cwd=ROOT,
-                             env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
-        assert out.returncode == 0, out.stderr[-2000:]
-        _MLFLOW_SEEN.append(out.stdout.strip().splitlines()[-1] == "True")
+        _MLFLOW_SEEN.append(_fresh("import sys, deepspeed; print('mlflow' in sys.modules)") == "True")
     assert _MLFLOW_SEEN[0], "import deepspeed no longer imports mlflow: remove deepspeed_mlflow.py"
 
 
@@ -111,10 +113,7 @@ def test_deepspeed_still_keeps_its_world_group_after_torch_destroys_it():
             "groups._clone_world_group()\ndist.destroy_process_group()\nstale = groups._WORLD_GROUP is not None\n"
             "from pipeline.upstream.deepspeed_groups import release_cached_groups\nrelease_cached_groups()\n"
             "print(json.dumps({'stale': stale, 'released': groups._WORLD_GROUP is None}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={"DS_ACCELERATOR": "cpu", "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = json.loads(_fresh(code))
     assert seen["stale"], "DeepSpeed now forgets a group torch destroyed: remove deepspeed_groups.py"
     assert seen["released"]
 
